@@ -1,0 +1,32 @@
+"""clipax: gradient clipping for JAX.
+
+Value, per-leaf norm and global-norm clipping as Optax transformations, and as
+pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
+sharding-ready, with the pre-clip norm kept in the optimizer state.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from clipax import tree as tree
+from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
+from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax._norm import ClipByNormState as ClipByNormState
+from clipax._norm import clip_by_norm as clip_by_norm
+from clipax._value import clip as clip
+from clipax._value import clip_by_value as clip_by_value
+
+try:
+    __version__ = version("clipax")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0"
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "ClipByNormState",
+    "__version__",
+    "clip",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "tree",
+]

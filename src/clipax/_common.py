@@ -1,0 +1,300 @@
+"""Checks and numerics shared by every clipping rule.
+
+Each rule of DESIGN.md lives here once: how arguments are validated, which dtype
+norms accumulate in, how a norm is taken, and how a clip factor is formed and
+applied. The public functions in `clipax.tree` and the transformations compose
+these pieces.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+KeyPath = tuple[Any, ...]
+
+ORD_ACCEPTED = "1, 2, inf, or a real number p >= 1"
+THRESHOLD_TYPES = "a real number, a NumPy or JAX scalar, or a traced value"
+ARRAY_LEAVES = (
+    "clipax takes trees of arrays (jax.Array, numpy.ndarray or NumPy scalars); "
+    "use None or optax.MaskedNode for empty leaves"
+)
+
+
+def is_traced(value: Any) -> bool:
+    """Whether `value` is an abstract value inside a JAX transformation."""
+    return isinstance(value, jax.core.Tracer)
+
+
+def path_str(path: KeyPath) -> str:
+    """The leaf's path as `jax.tree_util.keystr` writes it; `<root>` for ()."""
+    return jax.tree_util.keystr(path) if path else "<root>"
+
+
+def leaves_with_paths(tree: PyTree) -> list[tuple[KeyPath, Any]]:
+    """The (path, leaf) pairs of `tree`; None and MaskedNode contribute none."""
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _array_dtype(path: KeyPath, leaf: Any) -> np.dtype:
+    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        raise TypeError(
+            f"The leaf at {path_str(path)} is a {type(leaf).__name__} "
+            f"({_short_repr(leaf)}); {ARRAY_LEAVES}."
+        )
+    return np.dtype(leaf.dtype)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def is_inexact(dtype: np.dtype) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def check_norm_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
+    """Checks that every leaf is a floating or complex array; returns the leaves.
+
+    Raises:
+      TypeError: naming the first leaf that is not an array, or whose dtype is
+        integer, bool or not numeric.
+    """
+    flat = leaves_with_paths(tree)
+    for path, leaf in flat:
+        dtype = _array_dtype(path, leaf)
+        if not is_inexact(dtype):
+            raise TypeError(
+                f"`{fn_name}` takes norms of floating-point or complex leaves; the "
+                f"leaf at {path_str(path)} has dtype {dtype}. Cast it to a float "
+                "dtype, or leave it out of the clipped tree (None, optax.masked)."
+            )
+    return flat
+
+
+def check_value_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
+    """Checks that every leaf is a real integer or floating array."""
+    flat = leaves_with_paths(tree)
+    for path, leaf in flat:
+        dtype = _array_dtype(path, leaf)
+        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(
+            dtype, jnp.integer
+        )
+        if not real:
+            raise TypeError(
+                f"`{fn_name}` clamps real integer or floating-point leaves; the "
+                f"leaf at {path_str(path)} has dtype {dtype}, which has no order "
+                "to clamp in."
+            )
+    return flat
+
+
+def accum_dtype(dtype: Any) -> np.dtype:
+    """Float32, or float64 for 64-bit leaves: never float16 or bfloat16."""
+    real = np.dtype(jnp.real(jnp.zeros((), dtype)).dtype)
+    return np.dtype(jnp.float64) if real.itemsize >= 8 else np.dtype(jnp.float32)
+
+
+def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
+    """The widest accumulation dtype over `leaves` (float32 for no leaves)."""
+    dtypes = {accum_dtype(leaf.dtype) for leaf in leaves}
+    return np.dtype(jnp.float64) if np.float64 in dtypes else np.dtype(jnp.float32)
+
+
+# Arguments.
+
+
+def check_ord(ord: Any) -> float:  # noqa: A002 - the peers' name
+    """Returns `ord` as a float p >= 1 (inf allowed), or raises ValueError."""
+    valid = isinstance(ord, numbers.Real) and not isinstance(ord, bool)
+    p = float(ord) if valid else math.nan
+    if math.isnan(p) or p < 1:
+        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {ord!r}.")
+    return p
+
+
+def concrete_real(name: str, value: Any, accepted: str) -> np.ndarray:
+    """`value` as a float64 NumPy array, or TypeError when it is not real."""
+    if value is None or isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"`{name}` must be {accepted}; got {value!r}.")
+    try:
+        array = np.asarray(value)
+    except Exception as error:  # anything NumPy cannot read as an array
+        raise TypeError(
+            f"`{name}` must be {accepted}; got {_short_repr(value)} of type "
+            f"{type(value).__name__}."
+        ) from error
+    numeric = jnp.issubdtype(array.dtype, jnp.floating) or jnp.issubdtype(
+        array.dtype, jnp.integer
+    )
+    if not numeric or array.dtype == np.bool_:
+        raise TypeError(
+            f"`{name}` must be {accepted}; got {_short_repr(value)} with dtype "
+            f"{array.dtype}."
+        )
+    return array.astype(np.float64)
+
+
+def check_max_norm(name: str, value: Any) -> None:
+    """A norm threshold: a positive scalar (inf allowed), unless traced."""
+    if is_traced(value):
+        return
+    accepted = f"a positive scalar ({THRESHOLD_TYPES}); inf means no clipping"
+    array = concrete_real(name, value, accepted)
+    if array.ndim != 0:
+        raise ValueError(
+            f"`{name}` must be {accepted}; got an array of shape {array.shape}."
+        )
+    if not array > 0:  # also catches NaN
+        raise ValueError(f"`{name}` must be {accepted}; got {_short_repr(value)}.")
+
+
+def check_use_norm(value: Any) -> None:
+    """A norm given in place of the computed one: a scalar >= 0, unless traced."""
+    if value is None or is_traced(value):
+        return
+    accepted = f"None or a scalar norm >= 0 ({THRESHOLD_TYPES})"
+    array = concrete_real("use_norm", value, accepted)
+    if array.ndim != 0:
+        raise ValueError(
+            f"`use_norm` must be {accepted}; got an array of shape {array.shape}."
+        )
+    if array < 0:
+        raise ValueError(f"`use_norm` must be {accepted}; got {_short_repr(value)}.")
+
+
+def check_bounds(min_value: Any, max_value: Any) -> None:
+    """Value-clipping bounds: real scalars or arrays, min <= max where concrete."""
+    accepted = f"{THRESHOLD_TYPES}, or an array that broadcasts to the leaves"
+    arrays = {}
+    for name, value in (("min_value", min_value), ("max_value", max_value)):
+        if is_traced(value):
+            continue
+        array = concrete_real(name, value, accepted)
+        if np.isnan(array).any():
+            raise ValueError(f"`{name}` must not be NaN; got {_short_repr(value)}.")
+        arrays[name] = array
+    if len(arrays) == 2:
+        low, high = arrays["min_value"], arrays["max_value"]
+        try:
+            crossed = bool(np.any(low > high))
+        except ValueError as error:  # shapes that do not broadcast together
+            raise ValueError(
+                f"`min_value` (shape {low.shape}) and `max_value` (shape "
+                f"{high.shape}) must broadcast together."
+            ) from error
+        if crossed:
+            raise ValueError(
+                "`min_value` must be <= `max_value`; got min_value="
+                f"{_short_repr(min_value)} and max_value={_short_repr(max_value)}."
+            )
+
+
+def normalize_axes(axes: Any) -> tuple[int, ...] | None:
+    """`axes` as a tuple of ints (None for all axes); checks type and repeats."""
+    if axes is None:
+        return None
+    items = (axes,) if isinstance(axes, numbers.Integral) else axes
+    accepted = "None, an int, or a sequence of distinct ints"
+    try:
+        items = tuple(items)
+    except TypeError as error:
+        raise ValueError(f"`axes` must be {accepted}; got {axes!r}.") from error
+    if not all(
+        isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in items
+    ):
+        raise ValueError(f"`axes` must be {accepted}; got {axes!r}.")
+    items = tuple(int(a) for a in items)
+    if len(set(items)) != len(items):
+        raise ValueError(f"`axes` must be {accepted}; got repeated axes in {axes!r}.")
+    return items
+
+
+def leaf_axes(
+    axes: tuple[int, ...] | None, path: KeyPath, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """`axes` resolved for one leaf of `shape`; ValueError naming the leaf."""
+    ndim = len(shape)
+    if axes is None:
+        return tuple(range(ndim))
+    if any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(
+            f"`axes`={axes} is out of range for the leaf at {path_str(path)} with "
+            f"shape {shape} (rank {ndim})."
+        )
+    resolved = tuple(a % ndim for a in axes)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"`axes`={axes} names the same axis twice for the leaf at "
+            f"{path_str(path)} with shape {shape}."
+        )
+    return resolved
+
+
+# Numerics.
+
+
+def power_sum(
+    x: jax.Array, p: float, axes: tuple[int, ...] | None = None
+) -> jax.Array:
+    """Sum of |x|**p over `axes` (max |x| for p = inf), kept dims, float32+.
+
+    With `axes=None` the result is a scalar. Zero-size inputs give 0.
+    """
+    acc = accum_dtype(x.dtype)
+    keep = axes is not None
+    if jnp.iscomplexobj(x):
+        squares = jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
+        if p == 2:
+            return jnp.sum(squares, axis=axes, keepdims=keep)
+        magnitude = safe_root(squares, 2.0)
+    else:
+        real = x.astype(acc)
+        if p == 2:
+            return jnp.sum(jnp.square(real), axis=axes, keepdims=keep)
+        magnitude = jnp.abs(real)
+    if p == math.inf:
+        return jnp.max(magnitude, axis=axes, keepdims=keep, initial=0.0)
+    if p == 1:
+        return jnp.sum(magnitude, axis=axes, keepdims=keep)
+    return jnp.sum(magnitude**p, axis=axes, keepdims=keep)
+
+
+def safe_root(total: jax.Array, p: float) -> jax.Array:
+    """`total ** (1/p)` whose gradient at 0 is 0, not inf or NaN.
+
+    NaN and inf pass through unchanged, so a broken norm stays visible.
+    """
+    if p in (1.0, math.inf):
+        return total
+    zero = total == 0
+    base = jnp.where(zero, jnp.ones_like(total), total)
+    root = jnp.sqrt(base) if p == 2 else base ** (1.0 / p)
+    return jnp.where(zero, jnp.zeros_like(total), root)
+
+
+def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
+    """The factor `max_norm / max(norm, max_norm)`, in the norm's dtype.
+
+    The rules: 1 when `norm <= max_norm` (a zero norm never divides); NaN when
+    the norm is NaN or inf; 0 for a nonzero norm when a traced `max_norm` is
+    <= 0. Differentiable everywhere with finite gradients.
+    """
+    threshold = jnp.asarray(max_norm).astype(norm.dtype)
+    over = norm > threshold
+    denominator = jnp.where(norm > 0, norm, jnp.ones_like(norm))
+    scale = jnp.where(over, jnp.maximum(threshold, 0) / denominator, 1)
+    return jnp.where(jnp.isfinite(norm), scale, jnp.nan).astype(norm.dtype)
+
+
+def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`x * scale`, computed in the wider of the two dtypes, cast back to x's."""
+    return (x * scale).astype(x.dtype)

@@ -1,0 +1,81 @@
+"""`clip_by_global_norm` as an Optax transformation that keeps the norm."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from clipax import _common
+from clipax.tree import _global_norm
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """State of `clip_by_global_norm`: the norm it saw last, for logging."""
+
+    norm: jax.Array  # float32 scalar (float64 for float64 updates): pre-clip norm
+
+
+def clip_by_global_norm(
+    max_norm: ArrayLike, *, ord: float = 2  # noqa: A002
+) -> optax.GradientTransformation:
+    """Scales the updates so that their global norm is at most `max_norm`.
+
+    The drop-in for `optax.clip_by_global_norm`, `tf.clip_by_global_norm` and
+    `torch.nn.utils.clip_grad_norm_`, with the rules of
+    `clipax.tree.clip_by_global_norm`: TensorFlow's formula with no epsilon,
+    float32 accumulation, every output NaN when the norm is NaN or inf (wrap the
+    chain in `optax.apply_if_finite` to skip such steps). The pre-clip norm of
+    the last update is kept in the state's `norm` field, so a training loop can
+    log it with `optax.tree.get(opt_state, "norm")` at no extra cost.
+
+    Args:
+      max_norm: the largest global norm allowed: a positive scalar of any
+        dtype, `inf`, or a traced value (as under `optax.inject_hyperparams`).
+      ord: the norm's order: 2 (default), 1, `inf`, or any real p >= 1.
+
+    Returns:
+      An `optax.GradientTransformation` whose state is a
+      `ClipByGlobalNormState`.
+
+    Raises:
+      ValueError: at construction, if `max_norm` or `ord` is not accepted.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import clipax
+      >>> params = {"w": jnp.zeros(2)}
+      >>> tx = optax.chain(clipax.clip_by_global_norm(1.0), optax.sgd(1.0))
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+      >>> updates["w"]
+      Array([-0.6, -0.8], dtype=float32)
+      >>> optax.tree.get(state, "norm")
+      Array(5., dtype=float32)
+
+    References:
+      Pascanu et al., `On the difficulty of training recurrent neural networks
+      <https://arxiv.org/abs/1211.5063>`_, 2012.
+    """
+    _common.check_max_norm("max_norm", max_norm)
+    p = _common.check_ord(ord)
+
+    def init_fn(params: optax.Params) -> ClipByGlobalNormState:
+        flat = _common.check_norm_leaves(params, "clip_by_global_norm")
+        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+        return ClipByGlobalNormState(norm=jnp.zeros((), dtype))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: ClipByGlobalNormState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, ClipByGlobalNormState]:
+        del params
+        clipped, norm = _global_norm.clip_by_global_norm(updates, max_norm, ord=p)
+        return clipped, ClipByGlobalNormState(norm=norm.astype(state.norm.dtype))
+
+    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]

@@ -1,0 +1,8 @@
+"""Clipping rules as pure functions on pytrees, usable outside Optax."""
+
+from clipax.tree._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax.tree._global_norm import global_norm as global_norm
+from clipax.tree._norm import clip_by_norm as clip_by_norm
+from clipax.tree._value import clip_by_value as clip_by_value
+
+__all__ = ["clip_by_global_norm", "clip_by_norm", "clip_by_value", "global_norm"]

@@ -1,0 +1,72 @@
+"""Per-leaf (and per-slice) norm clipping of a pytree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from clipax import _common
+
+
+def clip_by_norm_with_norms(
+    tree: chex.ArrayTree, max_norm: ArrayLike, axes: Any
+) -> tuple[chex.ArrayTree, chex.ArrayTree]:
+    """`clip_by_norm`, also returning each leaf's largest pre-clip norm.
+
+    The second tree has the structure of `tree`, with a scalar where `tree` has
+    a leaf: the leaf's L2 norm, or with `axes` the largest norm of its slices.
+    """
+    _common.check_max_norm("max_norm", max_norm)
+    axes = _common.normalize_axes(axes)
+    flat = _common.check_norm_leaves(tree, "clip_by_norm")
+    leaf_axes = [_common.leaf_axes(axes, path, x.shape) for path, x in flat]
+    treedef = jax.tree.structure(tree)
+    clipped, norms = [], []
+    for (_, x), reduce_axes in zip(flat, leaf_axes, strict=True):
+        norm = _common.safe_root(_common.power_sum(x, 2.0, reduce_axes), 2.0)
+        clipped.append(_common.apply_scale(x, _common.clip_scale(norm, max_norm)))
+        norms.append(jnp.max(norm, initial=0.0))
+    return treedef.unflatten(clipped), treedef.unflatten(norms)
+
+
+def clip_by_norm(
+    tree: chex.ArrayTree, max_norm: ArrayLike, *, axes: Any = None
+) -> chex.ArrayTree:
+    """Clips each leaf on its own to L2 norm `max_norm`, like `tf.clip_by_norm`.
+
+    A leaf `x` with norm `n` becomes `x * max_norm / max(n, max_norm)`. With
+    `axes`, the norm is taken over those axes only, and every slice along the
+    other axes is clipped on its own (`axes=1` on a matrix clips each row).
+    The rules of `clipax.tree.clip_by_global_norm` hold for each leaf or slice:
+    no epsilon, unchanged at or below the threshold and at norm 0, all NaN when
+    its norm is NaN or inf, float32 accumulation, dtypes kept.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays; None and
+        `optax.MaskedNode` leaves are empty and come back in place.
+      max_norm: the largest norm allowed for each leaf or slice: a positive
+        scalar, `inf`, or a traced value.
+      axes: None (the whole leaf), an int, or a sequence of distinct ints
+        (negative ones count from the end), applied to every leaf.
+
+    Returns:
+      The clipped tree, with the structure, shapes and dtypes of `tree`.
+
+    Raises:
+      ValueError: if `max_norm` or `axes` is not accepted, or `axes` is out of
+        range for a leaf (the message names the leaf's path and shape).
+      TypeError: if a leaf is not a floating-point or complex array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> x = jnp.array([[-3.0, 0.0, 0.0], [4.0, 0.0, 3.0]])
+      >>> clipax.tree.clip_by_norm({"w": x}, 4.0, axes=1)["w"]
+      Array([[-3. ,  0. ,  0. ],
+             [ 3.2,  0. ,  2.4]], dtype=float32)
+    """
+    return clip_by_norm_with_norms(tree, max_norm, axes)[0]
