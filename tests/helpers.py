@@ -1,0 +1,87 @@
+"""Shared test helpers: float64 NumPy references, data loading, compile counting."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def load_vectors() -> list[dict[str, Any]]:
+    """The TensorFlow and PyTorch reference cases (copied from shared/reference)."""
+    with open(DATA / "vectors.json") as f:
+        return json.load(f)["cases"]
+
+
+def decode(value: Any) -> Any:
+    """JSON numbers with non-finite ones as strings -> nested floats."""
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, str):
+        return float(value)
+    return value
+
+
+def to_array(spec: dict[str, Any] | None) -> np.ndarray | None:
+    if spec is None:
+        return None
+    return np.asarray(decode(spec["value"]), dtype=spec["dtype"]).reshape(spec["shape"])
+
+
+def ref_leaves(tree: Any) -> list[np.ndarray]:
+    """Leaves as float64 (complex128) NumPy arrays."""
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        a = np.asarray(leaf)
+        out.append(a.astype(np.complex128 if np.iscomplexobj(a) else np.float64))
+    return out
+
+
+def ref_global_norm(tree: Any, p: float = 2.0) -> float:
+    """The global p-norm of `tree`, in float64 NumPy."""
+    leaves = ref_leaves(tree)
+    if not leaves:
+        return 0.0
+    flat = np.concatenate([np.abs(a).ravel() for a in leaves])
+    if flat.size == 0:
+        return 0.0
+    if p == math.inf:
+        return float(flat.max())
+    scale = flat.max()
+    if scale == 0 or not np.isfinite(scale):
+        return float(np.sum(flat**p) ** (1 / p))
+    return float(scale * np.sum((flat / scale) ** p) ** (1 / p))
+
+
+def ref_clip_by_global_norm(tree: Any, max_norm: float, p: float = 2.0) -> Any:
+    """TensorFlow's formula in float64: x * max_norm / max(norm, max_norm)."""
+    norm = ref_global_norm(tree, p)
+    scale = max_norm / max(norm, max_norm) if norm > 0 else 1.0
+    return jax.tree.map(lambda x: np.asarray(x, np.float64) * scale, tree), norm
+
+
+def assert_compiles_once(step: Any, *args: Any, calls: int = 3) -> Any:
+    """Runs `jax.jit(step)` `calls` times with the same shapes, feeding each
+    output back in, and asserts that it traced and compiled exactly once.
+
+    `step(*args)` must return a tuple like `args`.
+    """
+    traces = [0]
+
+    def counted(*a: Any) -> Any:
+        traces[0] += 1
+        return step(*a)
+
+    jitted = jax.jit(counted)
+    out = args
+    for _ in range(calls):
+        out = jitted(*out)
+    assert traces[0] == 1, f"traced {traces[0]} times over {calls} calls"
+    assert jitted._cache_size() == 1, f"{jitted._cache_size()} compilations"
+    return out
