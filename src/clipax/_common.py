@@ -105,8 +105,8 @@ def accum_dtype(dtype: Any) -> np.dtype:
 
 def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
     """The widest accumulation dtype over `leaves` (float32 for no leaves)."""
-    dtypes = {accum_dtype(leaf.dtype) for leaf in leaves}
-    return np.dtype(jnp.float64) if np.float64 in dtypes else np.dtype(jnp.float32)
+    wide = any(accum_dtype(leaf.dtype).itemsize >= 8 for leaf in leaves)
+    return np.dtype(jnp.float64) if wide else np.dtype(jnp.float32)
 
 
 # Arguments.
