@@ -269,7 +269,7 @@ def test_bad_max_norm(max_norm: object, error: type, match: str) -> None:
         clipax.tree.clip_by_global_norm({"w": jnp.ones(2)}, max_norm)
 
 
-@pytest.mark.parametrize("ord", [0, -1, 0.5, "fro", math.nan, None, True])
+@pytest.mark.parametrize("ord", [0, -1, 0.5, "fro", math.nan, True, np.ones(2)])
 def test_bad_ord(ord: object) -> None:
     match = "`ord` must be 1, 2, inf, or a real number p >= 1; got"
     with pytest.raises(ValueError, match=match):
