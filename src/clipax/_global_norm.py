@@ -20,7 +20,9 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: ArrayLike, *, ord: float = 2  # noqa: A002
+    max_norm: ArrayLike,
+    *,
+    ord: float | None = None,  # noqa: A002
 ) -> optax.GradientTransformation:
     """Scales the updates so that their global norm is at most `max_norm`.
 
@@ -35,7 +37,10 @@ def clip_by_global_norm(
     Args:
       max_norm: the largest global norm allowed: a positive scalar of any
         dtype, `inf`, or a traced value (as under `optax.inject_hyperparams`).
-      ord: the norm's order: 2 (default), 1, `inf`, or any real p >= 1.
+      ord: the norm's order: None (the default) or 2 for L2, 1, `inf`, or any
+        real p >= 1. The default is None rather than 2 so that
+        `optax.inject_hyperparams` leaves it static; to pass an `ord` through
+        `inject_hyperparams`, name it in `static_args`.
 
     Returns:
       An `optax.GradientTransformation` whose state is a
@@ -43,6 +48,7 @@ def clip_by_global_norm(
 
     Raises:
       ValueError: at construction, if `max_norm` or `ord` is not accepted.
+      TypeError: if `ord` is traced.
 
     Example:
       >>> import jax.numpy as jnp
