@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -10,6 +11,20 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The scripts need the `examples` extra; without it (`pip install -e ".[test]"`)
+# these tests are skipped, with the reason shown.
+_MISSING = [
+    name
+    for name in ("flax", "sklearn", "matplotlib", "tqdm")
+    if importlib.util.find_spec(name) is None
+]
+if _MISSING:
+    pytest.skip(
+        f"{', '.join(_MISSING)} not installed: the examples need "
+        'pip install -e ".[examples]"',
+        allow_module_level=True,
+    )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
