@@ -22,7 +22,7 @@ after clipping (as the tutorial does), shows a progress bar, writes
 `exploding_gradients.png` (loss and pre-clip global norm per step, both runs)
 to the current directory and ends with one summary line per run.
 
-    python examples/exploding_gradients.py             # 300 steps, ~15 s on 2 cores
+    python examples/exploding_gradients.py             # 2 x 300 steps, ~17 s
     python examples/exploding_gradients.py --steps 30  # smoke run
 """
 

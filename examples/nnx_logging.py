@@ -18,7 +18,7 @@ Everything logged is read back from the optimizer state, at no extra cost:
 It plots the norm against the schedule and the clipped fraction per window to
 `nnx_logging.png` in the current directory.
 
-    python examples/nnx_logging.py              # 400 steps, ~10 s on 2 cores
+    python examples/nnx_logging.py              # 400 steps, ~14 s on 2 cores
     python examples/nnx_logging.py --steps 40 --log-every 10
 """
 
