@@ -282,9 +282,7 @@ def test_bad_ord(ord: object) -> None:
     ("leaf", "dtype"),
     [(np.arange(3), "int64"), (jnp.arange(3), "int32"), (np.ones(2, bool), "bool")],
 )
-def test_integer_and_bool_leaves_are_rejected_by_path(
-    leaf: object, dtype: str
-) -> None:
+def test_integer_and_bool_leaves_are_rejected_by_path(leaf: object, dtype: str) -> None:
     tree = {"layer": [jnp.ones(2), leaf]}
     match = rf"leaf at \['layer'\]\[1\] has dtype {dtype}"
     with pytest.raises(TypeError, match=match):

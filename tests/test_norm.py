@@ -65,7 +65,9 @@ def test_dtypes_are_kept_and_accumulated_wide(dtype: jnp.dtype) -> None:
     assert out.dtype == dtype
     chex.assert_tree_all_finite(out)
     expected = 1 / math.sqrt(10)
-    np.testing.assert_allclose(np.abs(np.asarray(out, np.complex64)), expected, rtol=1e-2)
+    np.testing.assert_allclose(
+        np.abs(np.asarray(out, np.complex64)), expected, rtol=1e-2
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,7 +130,11 @@ def test_transformation_keeps_per_leaf_norms() -> None:
     state = tx.init(params)
     assert isinstance(state, clipax.ClipByNormState)
     assert state.norms["none"] is None
-    grads = {"a": jnp.array([[3.0, 4.0], [0.0, 0.5]]), "b": jnp.array([2.0]), "none": None}
+    grads = {
+        "a": jnp.array([[3.0, 4.0], [0.0, 0.5]]),
+        "b": jnp.array([2.0]),
+        "none": None,
+    }
     updates, state = jax.jit(tx.update)(grads, state)
     chex.assert_trees_all_close(updates["a"], jnp.array([[0.6, 0.8], [0.0, 0.5]]))
     chex.assert_trees_all_close(updates["b"], jnp.array([1.0]))

@@ -119,7 +119,9 @@ def test_inject_hyperparams_for_clip_and_clip_by_norm() -> None:
         tx = optax.inject_hyperparams(factory)(**kwargs)
         updates, _ = jax.jit(tx.update)(grads, tx.init(grads))
         direct = factory(**kwargs)
-        chex.assert_trees_all_close(updates, direct.update(grads, direct.init(grads))[0])
+        chex.assert_trees_all_close(
+            updates, direct.update(grads, direct.init(grads))[0]
+        )
 
 
 def test_apply_if_finite_skips_non_finite_steps() -> None:
@@ -158,5 +160,5 @@ def test_traced_ord_or_axes_name_static_args() -> None:
     ):
         tx = optax.inject_hyperparams(factory)(**kwargs)
         state = tx.init(grads)
-        with pytest.raises(TypeError, match="traced value.*`static_args`"):
+        with pytest.raises(TypeError, match=r"traced value.*`static_args`"):
             jax.jit(tx.update)(grads, state)

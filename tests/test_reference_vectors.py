@@ -48,9 +48,7 @@ def _run_tf(case: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     elif fn == "torch.nn.utils.clip_grad_norm_":
         p = args["norm_type"]
         p = math.inf if p == "inf" else float(p)
-        clipped, norm = clipax.tree.clip_by_global_norm(
-            inputs, args["max_norm"], ord=p
-        )
+        clipped, norm = clipax.tree.clip_by_global_norm(inputs, args["max_norm"], ord=p)
         got = [*clipped, norm]
     elif fn == "torch.nn.utils.clip_grad_value_":
         (x,) = inputs

@@ -75,7 +75,8 @@ def test_bad_bounds(low: object, high: object, error: type, match: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("leaf", "dtype"), [(jnp.ones(2, bool), "bool"), (jnp.ones(2, jnp.complex64), "complex64")]
+    ("leaf", "dtype"),
+    [(jnp.ones(2, bool), "bool"), (jnp.ones(2, jnp.complex64), "complex64")],
 )
 def test_unordered_leaves_are_rejected_by_path(leaf: jax.Array, dtype: str) -> None:
     with pytest.raises(TypeError, match=rf"leaf at \['z'\] has dtype {dtype}"):

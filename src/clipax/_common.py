@@ -85,9 +85,7 @@ def check_value_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
     flat = leaves_with_paths(tree)
     for path, leaf in flat:
         dtype = _array_dtype(path, leaf)
-        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(
-            dtype, jnp.integer
-        )
+        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
         if not real:
             raise TypeError(
                 f"`{fn_name}` clamps real integer or floating-point leaves; the "
@@ -118,7 +116,7 @@ STATIC_HINT = (
 )
 
 
-def check_ord(ord: Any) -> float:  # noqa: A002 - the peers' name
+def check_ord(ord: Any) -> float:
     """Returns `ord` as a float p >= 1 (inf allowed; None means 2).
 
     Raises:
@@ -129,14 +127,16 @@ def check_ord(ord: Any) -> float:  # noqa: A002 - the peers' name
         return 2.0
     if is_traced(ord):
         raise TypeError(f"`ord` got a traced value; {STATIC_HINT}.")
-    p = math.nan
-    if isinstance(ord, numbers.Real) and not isinstance(ord, bool):
-        p = float(ord)
-    elif isinstance(ord, (jax.Array, np.ndarray)) and ord.ndim == 0:
-        if jnp.issubdtype(ord.dtype, jnp.floating) or jnp.issubdtype(
-            ord.dtype, jnp.integer
-        ):
-            p = float(ord)
+    real_array = (
+        isinstance(ord, (jax.Array, np.ndarray))
+        and ord.ndim == 0
+        and (
+            jnp.issubdtype(ord.dtype, jnp.floating)
+            or jnp.issubdtype(ord.dtype, jnp.integer)
+        )
+    )
+    real_number = isinstance(ord, numbers.Real) and not isinstance(ord, bool)
+    p = float(ord) if real_number or real_array else math.nan
     if math.isnan(p) or p < 1:
         raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {_short_repr(ord)}.")
     return p
@@ -269,9 +269,7 @@ def leaf_axes(
 # Numerics.
 
 
-def power_sum(
-    x: jax.Array, p: float, axes: tuple[int, ...] | None = None
-) -> jax.Array:
+def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
     """Sum of |x|**p over `axes` (max |x| for p = inf), kept dims, float32+.
 
     With `axes=None` the result is a scalar. Zero-size inputs give 0.

@@ -22,7 +22,7 @@ class ClipByGlobalNormState(NamedTuple):
 def clip_by_global_norm(
     max_norm: ArrayLike,
     *,
-    ord: float | None = None,  # noqa: A002
+    ord: float | None = None,
 ) -> optax.GradientTransformation:
     """Scales the updates so that their global norm is at most `max_norm`.
 
@@ -84,4 +84,4 @@ def clip_by_global_norm(
         clipped, norm = _global_norm.clip_by_global_norm(updates, max_norm, ord=p)
         return clipped, ClipByGlobalNormState(norm=norm.astype(state.norm.dtype))
 
-    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init_fn, update_fn)

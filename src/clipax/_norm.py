@@ -78,4 +78,4 @@ def clip_by_norm(
         clipped, norms = _norm.clip_by_norm_with_norms(updates, max_norm, axes)
         return clipped, ClipByNormState(norms=norms)
 
-    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -24,7 +24,7 @@ def _global_norm_of(leaves: list[Any], p: float) -> jax.Array:
     return _common.safe_root(jnp.sum(partials), p)
 
 
-def global_norm(tree: chex.ArrayTree, *, ord: float = 2) -> jax.Array:  # noqa: A002
+def global_norm(tree: chex.ArrayTree, *, ord: float = 2) -> jax.Array:
     """Returns the norm of all leaves of `tree` taken together.
 
     The leaves are treated as one long vector. Squares (or |x|**p) are summed in
@@ -64,7 +64,7 @@ def clip_by_global_norm(
     max_norm: ArrayLike,
     *,
     use_norm: ArrayLike | None = None,
-    ord: float = 2,  # noqa: A002
+    ord: float = 2,
 ) -> tuple[chex.ArrayTree, jax.Array]:
     """Scales all leaves by one factor so that their global norm is <= `max_norm`.
 
@@ -111,7 +111,9 @@ def clip_by_global_norm(
     _common.check_max_norm("max_norm", max_norm)
     _common.check_use_norm(use_norm)
     p = _common.check_ord(ord)
-    leaves = [leaf for _, leaf in _common.check_norm_leaves(tree, "clip_by_global_norm")]
+    leaves = [
+        leaf for _, leaf in _common.check_norm_leaves(tree, "clip_by_global_norm")
+    ]
     if use_norm is None:
         norm = _global_norm_of(leaves, p)
     else:

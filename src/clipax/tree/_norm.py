@@ -30,7 +30,7 @@ def clip_by_norm_with_norms(
         norm = _common.safe_root(_common.power_sum(x, 2.0, reduce_axes), 2.0)
         clipped.append(_common.apply_scale(x, _common.clip_scale(norm, max_norm)))
         norms.append(jnp.max(norm, initial=0.0))
-    return treedef.unflatten(clipped), treedef.unflatten(norms)
+    return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, norms)
 
 
 def clip_by_norm(
