@@ -44,7 +44,7 @@ def normalize_axis_name(axis_name: AxisName) -> MeshAxes:
         names = (axis_name,)
     elif isinstance(axis_name, (tuple, list)):
         names = tuple(axis_name)
-    if not names or not all(isinstance(n, str) for n in names):
+    if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(
             "`axis_name` must be None, a mesh-axis name, or a sequence of names; "
             f"got {axis_name!r}."
@@ -132,18 +132,24 @@ def reduced_mesh_axes(entries: list[MeshAxes], axes: Sequence[int]) -> MeshAxes:
 
 
 def _collective(
-    values: list[jax.Array], groups: list[MeshAxes], op: Callable[..., jax.Array]
+    values: list[jax.Array],
+    groups: list[MeshAxes],
+    op: Callable[..., jax.Array],
+    buckets: Sequence[Any] | None = None,
 ) -> list[jax.Array]:
     """`op` (psum or pmax) of each value over its group's mesh axes.
 
-    Values of one group travel together in one collective.
+    Values of one bucket (by default, one group) travel together in one
+    collective. A bucket must hold values that vary over the same mesh axes,
+    or shard_map's replication checks would see them all as varying.
     """
     out = list(values)
-    by_group: dict[MeshAxes, list[int]] = {}
+    by_bucket: dict[Any, list[int]] = {}
     for i, group in enumerate(groups):
         if group:
-            by_group.setdefault(group, []).append(i)
-    for group, index in by_group.items():
+            key = (group, buckets[i] if buckets is not None else group)
+            by_bucket.setdefault(key, []).append(i)
+    for (group, _), index in by_bucket.items():
         if len(index) == 1:
             out[index[0]] = op(values[index[0]], group)
             continue
@@ -155,6 +161,16 @@ def _collective(
             out[i] = reduced[offset : offset + size].reshape(values[i].shape)
             offset += size
     return out
+
+
+def _pmax_everywhere(values: jax.Array, groups: list[MeshAxes]) -> jax.Array:
+    """pmax over every mesh axis any leaf is split over, in one collective.
+
+    Max is idempotent, so a value already equal across some of these axes is
+    unchanged by them: one pmax serves leaves of every axis set.
+    """
+    names = tuple(sorted(set().union(*groups)))
+    return jax.lax.pmax(values, names) if names else values
 
 
 # Range.
@@ -224,28 +240,31 @@ def global_norm(
         by_group.setdefault(group, []).append(leaf)
     keys = list(by_group)
 
-    def combined(local: Callable[[jax.Array], jax.Array], op: Any) -> jax.Array:
+    def summed(local: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """Sum of `local` over all leaves: one psum per axis set."""
         sums = [
             jnp.sum(jnp.stack([local(x).astype(dtype) for x in by_group[k]]))
-            if op is jax.lax.psum
-            else jnp.max(jnp.stack([local(x).astype(dtype) for x in by_group[k]]))
             for k in keys
         ]
-        parts = jnp.stack(_collective(sums, keys, op))
-        return jnp.sum(parts) if op is jax.lax.psum else jnp.max(parts)
+        return jnp.sum(jnp.stack(_collective(sums, keys, jax.lax.psum)))
+
+    def peak() -> jax.Array:
+        """Largest |x| over all leaves: one pmax for every axis set."""
+        local = jnp.max(
+            jnp.stack([_common.power_sum(x, math.inf).astype(dtype) for x in leaves])
+        )
+        return _pmax_everywhere(local, keys)
 
     if p == math.inf:
-        return combined(lambda x: _common.power_sum(x, p), jax.lax.pmax)
+        return peak()
 
-    total = combined(lambda x: _common.power_sum(x, p), jax.lax.psum)
+    total = summed(lambda x: _common.power_sum(x, p))
 
     def rescaled() -> jax.Array:
-        peak = combined(lambda x: _common.power_sum(x, math.inf), jax.lax.pmax)
-        inverse = _power_of_two_scale(peak)
-        scaled = combined(
-            lambda x: _common.power_sum(_upcast(x) * inverse, p), jax.lax.psum
-        )
-        return _finish(scaled, peak, inverse, p)
+        top = peak()
+        inverse = _power_of_two_scale(top)
+        scaled = summed(lambda x: _common.power_sum(_upcast(x) * inverse, p))
+        return _finish(scaled, top, inverse, p)
 
     untrusted = jnp.isposinf(total) | (total < _trust_floor(dtype))
     return _branch(untrusted, rescaled, lambda: _common.safe_root(total, p))
@@ -266,30 +285,27 @@ def slice_norms(
     """
     if not leaves:
         return []
-    if placements is None:
-        groups: list[MeshAxes] = [()] * len(leaves)
-    else:
-        groups = [
-            reduced_mesh_axes(e, a) for e, a in zip(placements, leaf_axes, strict=True)
-        ]
-    sums = _collective(
-        [_common.power_sum(x, 2.0, a) for x, a in zip(leaves, leaf_axes, strict=True)],
-        groups,
-        jax.lax.psum,
-    )
-    peaks = _collective(
-        [
-            _common.power_sum(x, math.inf, a)
-            for x, a in zip(leaves, leaf_axes, strict=True)
-        ],
-        groups,
-        jax.lax.pmax,
-    )
+    groups: list[MeshAxes] = [()] * len(leaves)
+    buckets: list[MeshAxes] = groups
+    if placements is not None:
+        pairs = zip(placements, leaf_axes, strict=True)
+        groups = [reduced_mesh_axes(e, a) for e, a in pairs]
+        buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
+
+    def reduce(p: float, op: Callable[..., jax.Array]) -> list[jax.Array]:
+        pairs = zip(leaves, leaf_axes, strict=True)
+        partials = [_common.power_sum(x, p, a) for x, a in pairs]
+        return _collective(partials, groups, op, buckets)
+
+    sums = reduce(2.0, jax.lax.psum)
+    peaks = reduce(math.inf, jax.lax.pmax)
     untrusted = jnp.zeros((), bool)
     for s, m in zip(sums, peaks, strict=True):
         floor = _trust_floor(s.dtype)
         bad = (jnp.isposinf(s) & jnp.isfinite(m)) | ((s < floor) & (m > 0))
         untrusted = untrusted | jnp.any(bad)
+    # Every device must take the same branch: the rescaled one has collectives.
+    untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), groups) > 0
 
     def fast() -> list[jax.Array]:
         return [_common.safe_root(s, 2.0) for s in sums]
@@ -303,6 +319,7 @@ def slice_norms(
             ],
             groups,
             jax.lax.psum,
+            buckets,
         )
         return [
             _finish(s, m, inv, 2.0)
@@ -317,7 +334,9 @@ def leaf_peak_norms(
 ) -> list[jax.Array]:
     """The largest slice norm of each leaf, the same on every device."""
     peaks = [jnp.max(n, initial=0.0) for n in norms]
-    if placements is None:
+    if placements is None or not peaks:
         return peaks
     groups = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-    return _collective(peaks, groups, jax.lax.pmax)
+    dtype = jnp.result_type(*peaks)
+    everywhere = _pmax_everywhere(jnp.stack(peaks).astype(dtype), groups)
+    return [everywhere[i].astype(n.dtype) for i, n in enumerate(peaks)]

@@ -14,7 +14,7 @@ from clipax import _common, _reduce
 NONFINITE_MODES = ("nan", "zero", "error")
 
 
-def _check_nonfinite(nonfinite: str) -> None:
+def check_nonfinite(nonfinite: str) -> None:
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(
             f"`nonfinite` must be one of {NONFINITE_MODES}; got {nonfinite!r}."
@@ -179,7 +179,7 @@ def clip_with_norm(
     """`clip_by_global_norm`, also returning whether the norm was finite."""
     _common.check_max_norm("max_norm", max_norm)
     _common.check_use_norm(use_norm)
-    _check_nonfinite(nonfinite)
+    check_nonfinite(nonfinite)
     p = _common.check_ord(ord)
     if use_norm is None:
         flat, norm = _norm_of(tree, "clip_by_global_norm", p, axis_name, specs)
