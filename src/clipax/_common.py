@@ -277,10 +277,10 @@ def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> ja
     acc = accum_dtype(x.dtype)
     keep = axes is not None
     if jnp.iscomplexobj(x):
-        squares = jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
+        re, im = x.real.astype(acc), x.imag.astype(acc)
         if p == 2:
-            return jnp.sum(squares, axis=axes, keepdims=keep)
-        magnitude = safe_root(squares, 2.0)
+            return jnp.sum(jnp.square(re) + jnp.square(im), axis=axes, keepdims=keep)
+        magnitude = _hypot(re, im)
     else:
         real = x.astype(acc)
         if p == 2:
@@ -291,6 +291,33 @@ def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> ja
     if p == 1:
         return jnp.sum(magnitude, axis=axes, keepdims=keep)
     return jnp.sum(magnitude**p, axis=axes, keepdims=keep)
+
+
+def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:
+    """|re + i im| without overflow or underflow, with a finite gradient at 0."""
+    big = jnp.maximum(jnp.abs(re), jnp.abs(im))
+    small = jnp.minimum(jnp.abs(re), jnp.abs(im))
+    zero = big == 0
+    ratio = small / jnp.where(zero, jnp.ones_like(big), big)
+    return jnp.where(zero, jnp.zeros_like(big), big * jnp.sqrt(1 + jnp.square(ratio)))
+
+
+@jax.custom_jvp
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a / b` whose derivative is `(da - (a / b) db) / b`.
+
+    Plain division differentiates through `b**-2`, which overflows for
+    |b| < 1e-19 in float32 although the derivative itself is representable.
+    """
+    return a / b
+
+
+@divide.defjvp
+def _divide_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    a, b = primals
+    da, db = tangents
+    out = a / b
+    return out, (da - out * db) / b
 
 
 def safe_root(total: jax.Array, p: float) -> jax.Array:
@@ -311,12 +338,14 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
 
     The rules: 1 when `norm <= max_norm` (a zero norm never divides); NaN when
     the norm is NaN or inf; 0 for a nonzero norm when a traced `max_norm` is
-    <= 0. Differentiable everywhere with finite gradients.
+    <= 0. Differentiable everywhere with finite gradients. A factor below the
+    smallest normal float (1.2e-38 in float32: `max_norm` under 1e-38 times the
+    norm) is flushed to 0 by XLA's CPU and GPU backends.
     """
     threshold = jnp.asarray(max_norm).astype(norm.dtype)
     over = norm > threshold
     denominator = jnp.where(norm > 0, norm, jnp.ones_like(norm))
-    scale = jnp.where(over, jnp.maximum(threshold, 0) / denominator, 1)
+    scale = jnp.where(over, divide(jnp.maximum(threshold, 0), denominator), 1)
     return jnp.where(jnp.isfinite(norm), scale, jnp.nan).astype(norm.dtype)
 
 

@@ -1,0 +1,262 @@
+"""Exact norms at the extremes of float range, the non-finite policy, donation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipax
+from tests import helpers
+
+ORDS = [1, 2, 3, math.inf]
+
+
+def _extreme_trees() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "squares overflow float32": {"w": jnp.full((4, 3), 1e20, jnp.float32)},
+        "overflow beside ones": [jnp.array([1e20, -3e19]), jnp.ones(5)],
+        "near the largest float32": [jnp.array([3e37, -1e38], jnp.float32)],
+        "squares underflow float32": {"w": jnp.full((4,), 1e-25, jnp.float32)},
+        "underflow, mixed signs": [
+            jnp.asarray(rng.normal(size=50) * 1e-22, jnp.float32)
+        ],
+        "float16 near 65504": {"h": jnp.full((1000,), 65000.0, jnp.float16)},
+        "float16 tiny": {"h": jnp.full((7,), 1e-4, jnp.float16)},
+        "bfloat16, two million elements": {
+            "b": jnp.asarray(rng.uniform(0.5, 1.5, 2_000_000), jnp.bfloat16)
+        },
+        "bfloat16 at 1e30": {"b": jnp.full((9,), 1e30, jnp.bfloat16)},
+        "mixed dtypes": {
+            "h": jnp.full((100,), 60000.0, jnp.float16),
+            "b": jnp.full((100,), 1e19, jnp.bfloat16),
+            "f": jnp.full((3,), 1e-20, jnp.float32),
+            "z": jnp.full((2,), 1e20 + 1e20j, jnp.complex64),
+        },
+        "1e-30 to 1e30 in one leaf": [
+            jnp.asarray(np.logspace(-30, 30, 61), jnp.float32)
+        ],
+    }
+
+
+TREES = _extreme_trees()
+
+
+@pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_norm_is_exact_for_every_finite_input(name: str, ord: float) -> None:
+    tree = TREES[name]
+    expected = helpers.ref_global_norm(tree, ord)
+    for fn in (
+        clipax.tree.global_norm,
+        jax.jit(clipax.tree.global_norm, static_argnames="ord"),
+    ):
+        norm = fn(tree, ord=ord)
+        assert norm.dtype == jnp.float32
+        np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_clipping_extremes_gives_finite_trees_at_max_norm(
+    name: str, ord: float
+) -> None:
+    tree = TREES[name]
+    norm = helpers.ref_global_norm(tree, ord)
+    max_norm = norm / 8  # always clipped
+    clipped, got = jax.jit(
+        lambda t: clipax.tree.clip_by_global_norm(t, max_norm, ord=ord)
+    )(tree)
+    chex.assert_tree_all_finite(clipped)
+    np.testing.assert_allclose(got, norm, rtol=1e-5)
+    after = helpers.ref_global_norm(clipped, ord)
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(tree)}
+    tol = 1e-2 if dtypes & {"float16", "bfloat16"} else 1e-5
+    np.testing.assert_allclose(after, max_norm, rtol=tol)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_per_leaf_norms_are_exact_at_the_extremes(name: str) -> None:
+    tree = TREES[name]
+    max_norm = helpers.ref_global_norm(tree) / 4  # clips the largest leaves
+    tx = clipax.clip_by_norm(max_norm)
+    updates, state = jax.jit(tx.update)(tree, tx.init(tree))
+    chex.assert_tree_all_finite(updates)
+    leaves = zip(
+        jax.tree.leaves(tree),
+        jax.tree.leaves(state.norms),
+        jax.tree.leaves(updates),
+        strict=True,
+    )
+    for leaf, norm, out in leaves:
+        leaf_norm = helpers.ref_global_norm(leaf)
+        np.testing.assert_allclose(norm, leaf_norm, rtol=1e-5)
+        expected = min(leaf_norm, max_norm)
+        np.testing.assert_allclose(helpers.ref_global_norm(out), expected, rtol=1e-2)
+
+
+def test_per_slice_norms_are_exact_when_slices_span_the_range() -> None:
+    x = jnp.array([[1e20, 1e20], [3.0, 4.0], [1e-25, 1e-25], [0.0, 0.0]], jnp.float32)
+    out = clipax.tree.clip_by_norm(x, 2.0, axes=1)
+    expected = np.array(
+        [[math.sqrt(2), math.sqrt(2)], [1.2, 1.6], [1e-25, 1e-25], [0, 0]]
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_a_norm_beyond_float32_is_inf_and_follows_the_nan_rule() -> None:
+    tree = [jnp.array([3e38, 3e38], jnp.float32)]  # true norm 4.2e38 > 3.4e38
+    clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0)
+    assert norm == np.inf
+    assert bool(jnp.all(jnp.isnan(clipped[0])))
+
+
+def test_subnormal_inputs_read_as_zero_on_cpu() -> None:
+    # XLA's CPU backend flushes float32 subnormals (< 1.18e-38) to zero; the
+    # documented consequence: a tree of subnormals has norm 0 and comes back as
+    # zeros, like any arithmetic on it in XLA.
+    x = jnp.full((3,), 1e-40, jnp.float32)
+    clipped, norm = clipax.tree.clip_by_global_norm(x, 1e-45)
+    assert norm == 0.0
+    chex.assert_trees_all_equal(clipped, x * 1.0)
+
+
+@pytest.mark.parametrize("ord", [1, 2, math.inf])
+def test_rescaled_pass_has_finite_gradients(ord: float) -> None:
+    def loss(t: jax.Array) -> jax.Array:
+        clipped, norm = clipax.tree.clip_by_global_norm(t, 1e-30, ord=ord)
+        return jnp.sum(clipped) + norm
+
+    for x in (jnp.full((3,), 1e-25), jnp.zeros(3), jnp.array([3.0, 4.0, 0.0])):
+        chex.assert_tree_all_finite(jax.grad(loss)(x))
+        chex.assert_tree_all_finite(jax.jit(jax.grad(loss))(x))
+
+
+# The non-finite policy.
+
+BAD = {"a": jnp.array([1.0, math.nan]), "b": [jnp.ones(2), jnp.array([math.inf])]}
+GOOD = {"a": jnp.array([3.0, 0.0]), "b": [jnp.zeros(2), jnp.array([4.0])]}
+
+
+def test_nonfinite_nan_is_the_default() -> None:
+    clipped, _ = clipax.tree.clip_by_global_norm(BAD, 1.0)
+    assert all(bool(jnp.all(jnp.isnan(x))) for x in jax.tree.leaves(clipped))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nonfinite_zero_skips_the_step_and_counts_it(jit: bool) -> None:
+    tx = clipax.clip_by_global_norm(1.0, nonfinite="zero")
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(BAD)
+    assert state.nonfinite_count == 0
+    updates, state = update(BAD, state)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, BAD))
+    assert state.nonfinite_count == 1 and jnp.isnan(state.norm)
+    updates, state = update(GOOD, state)
+    chex.assert_trees_all_close(updates["a"], jnp.array([0.6, 0.0]))
+    assert state.nonfinite_count == 1 and state.norm == 5.0
+    _, state = update(BAD, state)
+    assert state.nonfinite_count == 2
+
+
+def test_nonfinite_count_in_nan_mode() -> None:
+    tx = clipax.clip_by_global_norm(1.0)
+    _, state = tx.update(BAD, tx.init(BAD))
+    assert state.nonfinite_count == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_nonfinite_error_names_the_first_bad_leaf(jit: bool) -> None:
+    def fn(t: Any) -> Any:
+        return clipax.tree.clip_by_global_norm(t, 1.0, nonfinite="error")
+
+    call = jax.jit(fn) if jit else fn
+    with pytest.raises(
+        Exception, match=r"the leaf at \['a'\] holds NaN or inf"
+    ) as info:
+        jax.block_until_ready(call(BAD))
+    assert "nonfinite='error'" in str(info.value)
+    only_b = {"a": jnp.ones(2), "b": BAD["b"]}
+    with pytest.raises(Exception, match=r"the leaf at \['b'\]\[1\] holds NaN or inf"):
+        jax.block_until_ready(call(only_b))
+    clipped, norm = call(GOOD)  # finite trees pass through untouched by the check
+    assert norm == 5.0
+    chex.assert_trees_all_close(clipped["b"][1], jnp.array([0.8]))
+
+
+def test_nonfinite_error_in_the_transformation_under_jit() -> None:
+    tx = clipax.clip_by_global_norm(1.0, nonfinite="error")
+    with pytest.raises(Exception, match=r"the leaf at \['b'\]\[1\] holds NaN or inf"):
+        jax.block_until_ready(
+            jax.jit(tx.update)({"a": jnp.ones(2), "b": BAD["b"]}, tx.init(BAD))
+        )
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", None, "NaN"])
+def test_bad_nonfinite(nonfinite: Any) -> None:
+    match = r"`nonfinite` must be one of \('nan', 'zero', 'error'\)"
+    with pytest.raises(ValueError, match=match):
+        clipax.clip_by_global_norm(1.0, nonfinite=nonfinite)
+    with pytest.raises(ValueError, match=match):
+        clipax.tree.clip_by_global_norm(GOOD, 1.0, nonfinite=nonfinite)
+
+
+def test_apply_if_finite_skips_the_step_that_clipax_marks_nan() -> None:
+    params = {"w": jnp.ones(2)}
+    tx = optax.apply_if_finite(
+        optax.chain(clipax.clip_by_global_norm(1.0), optax.adam(0.1)),
+        max_consecutive_errors=3,
+    )
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    updates, state = step({"w": jnp.array([math.inf, 1.0])}, state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
+    assert state.notfinite_count == 1 and state.total_notfinite == 1
+    # The inner state did not see the broken step: its logged norm is still 0.
+    assert optax.tree.get(state.inner_state, "norm") == 0.0
+    updates, state = step({"w": jnp.array([3.0, 4.0])}, state, params)
+    assert optax.tree.get(state.inner_state, "norm") == 5.0
+    chex.assert_tree_all_finite(updates)
+
+
+# Donation.
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        clipax.clip_by_global_norm(1.0),
+        clipax.clip_by_global_norm(1.0, nonfinite="zero"),
+        clipax.clip_by_norm(0.5, axes=0),
+        clipax.clip(0.1),
+    ],
+    ids=["global", "global-zero", "per-leaf", "value"],
+)
+def test_donated_training_step(clip: optax.GradientTransformation) -> None:
+    tx = optax.chain(clip, optax.adam(1e-2))
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.zeros(3)}
+    x = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+
+    def step(p: Any, s: Any, grads_scale: jax.Array) -> Any:
+        grads = jax.grad(lambda q: jnp.sum((x @ q["w"] + q["b"]) ** 2))(p)
+        grads = jax.tree.map(lambda g: g * grads_scale, grads)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    plain = jax.jit(step)
+    donated = jax.jit(step, donate_argnums=(0, 1))
+    p1, s1 = params, tx.init(params)
+    p2, s2 = jax.tree.map(jnp.copy, params), tx.init(params)
+    for scale in (1.0, 10.0, 0.1):
+        p1, s1 = plain(p1, s1, scale)
+        p2, s2 = donated(p2, s2, scale)  # the old p2, s2 are consumed
+    chex.assert_trees_all_close(p1, p2)
+    chex.assert_trees_all_close(s1, s2)
