@@ -85,3 +85,33 @@ def assert_compiles_once(step: Any, *args: Any, calls: int = 3) -> Any:
     assert traces[0] == 1, f"traced {traces[0]} times over {calls} calls"
     assert jitted._cache_size() == 1, f"{jitted._cache_size()} compilations"
     return out
+
+
+def spike_norms(steps: int = 90, spike_at: int = 50, seed: int = 0) -> np.ndarray:
+    """A global-norm sequence like a training run's, with a loss spike.
+
+    Norms fall from about 4 to 1 with 15% log-normal noise; at `spike_at` they
+    jump 40-fold, the next steps decay back over a few steps, as after a bad
+    batch. Positive, float64, deterministic.
+    """
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    norms = (1.0 + 3.0 * np.exp(-t / 20.0)) * np.exp(0.15 * rng.standard_normal(steps))
+    for k, factor in enumerate((40.0, 12.0, 4.0, 1.5)):
+        if spike_at + k < steps:
+            norms[spike_at + k] *= factor
+    return norms
+
+
+def tree_with_norm(norm: float, dtype: Any = np.float32) -> dict[str, Any]:
+    """A fixed-direction tree {"w": [3, 2], "b": [2], "none": None} of L2 norm
+    `norm` (the direction has norm 1)."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((3, 2))
+    b = rng.standard_normal(2)
+    total = math.sqrt(float(np.sum(w**2) + np.sum(b**2)))
+    return {
+        "w": (w * norm / total).astype(dtype),
+        "b": (b * norm / total).astype(dtype),
+        "none": None,
+    }

@@ -8,6 +8,8 @@ sharding-ready, with the pre-clip norm kept in the optimizer state.
 from importlib.metadata import PackageNotFoundError, version
 
 from clipax import tree as tree
+from clipax._autoclip import AutoClipState as AutoClipState
+from clipax._autoclip import autoclip as autoclip
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._norm import ClipByNormState as ClipByNormState
@@ -21,9 +23,11 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 __all__ = [
+    "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
     "__version__",
+    "autoclip",
     "clip",
     "clip_by_global_norm",
     "clip_by_norm",
