@@ -16,6 +16,8 @@ from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
+from clipax._zclip import ZClipState as ZClipState
+from clipax._zclip import zclip as zclip
 
 try:
     __version__ = version("clipax")
@@ -26,6 +28,7 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "ZClipState",
     "__version__",
     "autoclip",
     "clip",
@@ -33,4 +36,5 @@ __all__ = [
     "clip_by_norm",
     "clip_by_value",
     "tree",
+    "zclip",
 ]
