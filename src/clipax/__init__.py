@@ -8,6 +8,7 @@ sharding-ready, with the pre-clip norm kept in the optimizer state.
 from importlib.metadata import PackageNotFoundError, version
 
 from clipax import tree as tree
+from clipax._agc import adaptive_grad_clip as adaptive_grad_clip
 from clipax._autoclip import AutoClipState as AutoClipState
 from clipax._autoclip import autoclip as autoclip
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
@@ -30,6 +31,7 @@ __all__ = [
     "ClipByNormState",
     "ZClipState",
     "__version__",
+    "adaptive_grad_clip",
     "autoclip",
     "clip",
     "clip_by_global_norm",
