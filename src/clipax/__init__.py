@@ -11,6 +11,7 @@ from clipax import tree as tree
 from clipax._agc import adaptive_grad_clip as adaptive_grad_clip
 from clipax._autoclip import AutoClipState as AutoClipState
 from clipax._autoclip import autoclip as autoclip
+from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._norm import ClipByNormState as ClipByNormState
@@ -34,6 +35,7 @@ __all__ = [
     "adaptive_grad_clip",
     "autoclip",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
