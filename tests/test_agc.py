@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once
+from helpers import assert_compiles_once, shard_rows
 
 import clipax
 
@@ -208,3 +208,19 @@ def test_rejects_bad_arguments(args, kwargs, error, match):
 def test_init_rejects_integer_params():
     with pytest.raises(TypeError, match=r"\['i'\].*int32"):
         clipax.adaptive_grad_clip(0.1).init({"i": jnp.zeros(2, jnp.int32)})
+
+
+def test_sharded_arrays_give_the_same_numbers_without_resharding():
+    params, grads = make([(8, 4), (16, 2, 3), (5,)], seed=6)
+    tx = clipax.adaptive_grad_clip(0.05)
+    update = jax.jit(tx.update)
+    want = jax.block_until_ready(update(grads, tx.init(params), params)[0])
+    sharded_grads, sharded_params = shard_rows(grads), shard_rows(params)
+    got = jax.block_until_ready(
+        update(sharded_grads, tx.init(params), sharded_params)[0]
+    )
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+    for name in got:
+        assert got[name].sharding.is_equivalent_to(
+            sharded_grads[name].sharding, got[name].ndim
+        )

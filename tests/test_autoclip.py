@@ -13,6 +13,8 @@ import pytest
 from helpers import (
     assert_compiles_once,
     ref_global_norm,
+    run_updates,
+    sharded_and_pmap_runs,
     spike_norms,
     tree_with_norm,
 )
@@ -29,18 +31,6 @@ def ref_autoclip(norms: np.ndarray, percentile: float, history: int) -> np.ndarr
             for t in range(len(norms))
         ]
     )
-
-
-def run(tx: optax.GradientTransformation, trees: list) -> tuple[list, list]:
-    """Feeds `trees` through `tx.update` under jit; returns outputs and states."""
-    update = jax.jit(tx.update)
-    state = tx.init(trees[0])
-    outputs, states = [], []
-    for tree in trees:
-        out, state = update(tree, state)
-        outputs.append(out)
-        states.append(state)
-    return outputs, states
 
 
 @pytest.mark.parametrize("length", [1, 2, 5, 16])
@@ -61,7 +51,7 @@ def test_masked_percentile_equals_numpy_for_every_count(length, q):
 def test_matches_numpy_reference_over_a_spike(history, percentile):
     norms = spike_norms()  # 90 steps: counts below and above `history`
     trees = [tree_with_norm(n) for n in norms]
-    outputs, states = run(clipax.autoclip(percentile, history=history), trees)
+    outputs, states = run_updates(clipax.autoclip(percentile, history=history), trees)
     thresholds = ref_autoclip(norms, percentile, history)
     for t, (tree, out, state) in enumerate(zip(trees, outputs, states, strict=True)):
         np.testing.assert_allclose(state.threshold, thresholds[t], rtol=1e-5)
@@ -79,7 +69,9 @@ def test_matches_numpy_reference_over_a_spike(history, percentile):
 
 def test_ring_buffer_keeps_only_the_last_history_norms():
     norms = [1.0, 2.0, 3.0, 4.0, 5.0]
-    _, states = run(clipax.autoclip(0.0, history=3), [tree_with_norm(n) for n in norms])
+    _, states = run_updates(
+        clipax.autoclip(0.0, history=3), [tree_with_norm(n) for n in norms]
+    )
     np.testing.assert_allclose(states[-1].buffer, [4.0, 5.0, 3.0], rtol=1e-6)
     np.testing.assert_allclose(states[-1].threshold, 3.0, rtol=1e-6)
     assert states[-1].buffer.shape == (3,)
@@ -97,7 +89,7 @@ def test_ord_sets_the_norm_used(ord):
     rng = np.random.default_rng(3)
     trees = [{"a": rng.standard_normal((4,)).astype(np.float32) * s} for s in (1, 5, 2)]
     norms = np.array([ref_global_norm(t, ord) for t in trees])
-    _, states = run(clipax.autoclip(50.0, history=10, ord=ord), trees)
+    _, states = run_updates(clipax.autoclip(50.0, history=10, ord=ord), trees)
     np.testing.assert_allclose([s.norm for s in states], norms, rtol=1e-5)
     np.testing.assert_allclose(
         states[-1].threshold, np.percentile(norms, 50.0), rtol=1e-5
@@ -106,7 +98,7 @@ def test_ord_sets_the_norm_used(ord):
 
 def test_clipped_norm_is_at_most_the_threshold():
     norms = spike_norms(seed=1)
-    outputs, states = run(
+    outputs, states = run_updates(
         clipax.autoclip(10.0, history=20), [tree_with_norm(n) for n in norms]
     )
     for out, state in zip(outputs, states, strict=True):
@@ -160,7 +152,7 @@ def test_traced_percentile_under_inject_hyperparams():
         percentile=50.0, history=4
     )
     norms = [3.0, 1.0, 2.0, 8.0]
-    outputs, states = run(tx, [tree_with_norm(n) for n in norms])
+    outputs, states = run_updates(tx, [tree_with_norm(n) for n in norms])
     np.testing.assert_allclose(ref_global_norm(outputs[-1]), 2.5, rtol=1e-5)
     np.testing.assert_allclose(optax.tree.get(states[-1], "threshold"), 2.5, rtol=1e-5)
 
@@ -215,3 +207,11 @@ def test_rejects_bad_arguments(kwargs, match):
 def test_rejects_non_numeric_percentile():
     with pytest.raises(TypeError, match="`percentile`"):
         clipax.autoclip("10")
+
+
+def test_same_numbers_sharded_and_under_pmap():
+    single, sharded, pmapped = sharded_and_pmap_runs(
+        lambda: clipax.autoclip(10.0, history=16)
+    )
+    chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once
+from helpers import assert_compiles_once, shard_rows
 
 import clipax
 
@@ -133,3 +133,17 @@ def test_rejects_bad_threshold(threshold):
 def test_rejects_integer_leaves():
     with pytest.raises(TypeError, match=r"\['i'\].*int32"):
         clipax.clip_by_block_rms(1.0).init({"i": jnp.zeros(2, jnp.int32)})
+
+
+def test_sharded_arrays_give_the_same_numbers_without_resharding():
+    tree = {"w": random_tree(2)["x2"].repeat(8, axis=0), "v": np.arange(16.0)}
+    tx = clipax.clip_by_block_rms(0.5)
+    update = jax.jit(tx.update)
+    want = jax.block_until_ready(update(tree, tx.init(tree))[0])
+    sharded = shard_rows(tree)
+    got = jax.block_until_ready(update(sharded, tx.init(tree))[0])
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+    for name in got:
+        assert got[name].sharding.is_equivalent_to(
+            sharded[name].sharding, got[name].ndim
+        )

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once
+from helpers import assert_compiles_once, shard_rows
 
 import clipax
 
@@ -195,3 +195,16 @@ def test_rejects_bad_clip(clip):
         ValueError, match=r"`global_l2_norm_clip` must be a scalar >= 0"
     ):
         clipax.tree.per_example_layer_norm_clip(grads, clip)
+
+
+def test_batch_sharded_across_devices_gives_the_same_numbers():
+    grads = per_example_tree(4, batch=16)
+    sharded = shard_rows(grads)
+    assert len(sharded["k"].sharding.device_set) == jax.device_count() > 1
+    for fn in (
+        clipax.tree.per_example_global_norm_clip,
+        clipax.tree.per_example_layer_norm_clip,
+    ):
+        want = jax.block_until_ready(jax.jit(fn)(grads, 0.8))
+        got = jax.block_until_ready(jax.jit(fn)(sharded, 0.8))
+        chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)

@@ -10,7 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once, ref_global_norm, spike_norms, tree_with_norm
+from helpers import (
+    assert_compiles_once,
+    ref_global_norm,
+    run_updates,
+    sharded_and_pmap_runs,
+    spike_norms,
+    tree_with_norm,
+)
 
 import clipax
 
@@ -47,17 +54,6 @@ def ref_zclip(
     return {k: np.array(v) for k, v in out.items()}
 
 
-def run(tx: optax.GradientTransformation, trees: list) -> tuple[list, list]:
-    update = jax.jit(tx.update)
-    state = tx.init(trees[0])
-    outputs, states = [], []
-    for tree in trees:
-        out, state = update(tree, state)
-        outputs.append(out)
-        states.append(state)
-    return outputs, states
-
-
 @pytest.mark.parametrize("mode", ["adaptive", "std"])
 @pytest.mark.parametrize("warmup_steps", [1, 5, 25])
 @pytest.mark.parametrize(("alpha", "z_threshold"), [(0.97, 2.5), (0.9, 2.0)])
@@ -67,7 +63,7 @@ def test_matches_reference_over_a_spike(mode, warmup_steps, alpha, z_threshold):
     tx = clipax.zclip(
         alpha=alpha, z_threshold=z_threshold, warmup_steps=warmup_steps, mode=mode
     )
-    outputs, states = run(tx, trees)
+    outputs, states = run_updates(tx, trees)
     ref = ref_zclip(norms, alpha, z_threshold, warmup_steps, mode)
     for t, (tree, out, state) in enumerate(zip(trees, outputs, states, strict=True)):
         np.testing.assert_allclose(ref_global_norm(out), ref["clipped"][t], rtol=2e-5)
@@ -96,7 +92,7 @@ def test_matches_reference_over_a_spike(mode, warmup_steps, alpha, z_threshold):
 def test_warmup_passes_updates_unchanged_and_starts_the_statistics():
     norms = [1.0, 3.0, 1.0, 3.0]
     trees = [tree_with_norm(n) for n in norms]
-    outputs, states = run(clipax.zclip(warmup_steps=4), trees)
+    outputs, states = run_updates(clipax.zclip(warmup_steps=4), trees)
     for tree, out, state in zip(trees, outputs, states, strict=True):
         chex.assert_trees_all_equal(out, tree)
         assert float(state.threshold) == math.inf
@@ -107,13 +103,15 @@ def test_warmup_passes_updates_unchanged_and_starts_the_statistics():
 
 def test_threshold_when_not_clipped_is_the_z_score_limit():
     norms = [1.0, 3.0, 2.5]
-    _, states = run(clipax.zclip(warmup_steps=2), [tree_with_norm(n) for n in norms])
+    _, states = run_updates(
+        clipax.zclip(warmup_steps=2), [tree_with_norm(n) for n in norms]
+    )
     np.testing.assert_allclose(states[-1].threshold, 2.0 + 2.5 * (1.0 + 1e-6))
 
 
 def test_zero_variance_clips_to_the_mean_without_nan():
     norms = [2.0, 2.0, 2.0, 2.0, 7.0]
-    outputs, states = run(
+    outputs, states = run_updates(
         clipax.zclip(warmup_steps=3), [tree_with_norm(n) for n in norms]
     )
     np.testing.assert_allclose(ref_global_norm(outputs[3]), 2.0, rtol=1e-6)  # z = 0
@@ -125,7 +123,7 @@ def test_zero_variance_clips_to_the_mean_without_nan():
 def test_clipping_keeps_the_direction():
     norms = [1.0, 1.2, 0.9, 50.0]
     trees = [tree_with_norm(n) for n in norms]
-    outputs, _ = run(clipax.zclip(warmup_steps=3), trees)
+    outputs, _ = run_updates(clipax.zclip(warmup_steps=3), trees)
     ratio = outputs[-1]["w"] / trees[-1]["w"]
     np.testing.assert_allclose(ratio, ratio[0, 0], rtol=1e-5)
     assert 0 < ratio[0, 0] < 0.1
@@ -177,7 +175,7 @@ def test_traced_hyperparameters_under_inject_hyperparams():
     )
     tx = factory(alpha=0.9, z_threshold=2.0, warmup_steps=3)
     norms = spike_norms()[:60]
-    outputs, _ = run(tx, [tree_with_norm(n) for n in norms])
+    outputs, _ = run_updates(tx, [tree_with_norm(n) for n in norms])
     ref = ref_zclip(norms, 0.9, 2.0, 3, "adaptive")
     np.testing.assert_allclose(
         [ref_global_norm(o) for o in outputs], ref["clipped"], rtol=2e-5
@@ -224,3 +222,12 @@ def test_rejects_bad_arguments(kwargs, match):
 def test_arguments_are_keyword_only():
     with pytest.raises(TypeError):
         clipax.zclip(0.97)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "std"])
+def test_same_numbers_sharded_and_under_pmap(mode):
+    single, sharded, pmapped = sharded_and_pmap_runs(
+        lambda: clipax.zclip(warmup_steps=5, mode=mode)
+    )
+    chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)

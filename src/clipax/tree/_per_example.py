@@ -54,8 +54,14 @@ def _example_power_sums(x: jax.Array) -> jax.Array:
 
 
 def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
-    """`sum_i scales[i] * x[i]` as one contraction, no scaled copy of `x`."""
-    return jnp.tensordot(scales, x, axes=1).astype(x.dtype)
+    """`sum_i scales[i] * x[i]`, in float32 or wider, cast back to x's dtype.
+
+    Written as a product reduced over the batch axis, which XLA fuses into one
+    pass over `x` (no scaled copy is made), and which, unlike a `tensordot`,
+    also works when the batch axis is sharded with explicit mesh axes.
+    """
+    weights = scales.reshape(scales.shape + (1,) * (x.ndim - 1))
+    return jnp.sum(x * weights, axis=0).astype(x.dtype)
 
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
@@ -73,9 +79,11 @@ def per_example_global_norm_clip(
     axis 0 (as `jax.vmap(jax.grad(loss), in_axes=(None, 0))` gives them).
     Example `i`, of global L2 norm `n_i` over all leaves, is weighted by
     `l2_norm_clip / max(n_i, l2_norm_clip)`, and the weighted examples are
-    summed. Only the `[batch]` norms and one contraction of the weights with
-    each leaf are computed: no clipped copy of the per-example gradients is
-    made.
+    summed. Only the `[batch]` norms and one weighted sum over the batch per
+    leaf are computed, each fused into one pass: no clipped copy of the
+    per-example gradients is made. Works with the batch axis sharded across
+    devices (under jit with `NamedSharding`, explicit mesh axes included, where
+    optax's `tensordot` asks for an output sharding).
 
     With clipax's rules: norms are accumulated in float32 (float64 for float64
     leaves), each summed leaf keeps its input dtype (optax returns float32 for
