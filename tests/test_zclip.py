@@ -231,3 +231,17 @@ def test_same_numbers_sharded_and_under_pmap(mode):
     )
     chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="clipax._common.tree_accum_dtype tests `np.float64 in` a set of "
+    "np.dtype objects, which is never true, so float64 trees get float32 norms",
+)
+def test_float64_updates_keep_float64_statistics():
+    with jax.enable_x64(True):
+        tree = {"a": jnp.array([1.0, 1e-4], jnp.float64)}
+        tx = clipax.zclip(warmup_steps=1)
+        _, state = jax.jit(tx.update)(tree, tx.init(tree))
+        assert state.mean.dtype == jnp.float64
+        assert float(state.mean) == math.sqrt(1.0 + 1e-8)
