@@ -8,7 +8,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import hypothesis  # noqa: E402
+import hypothesis
 
 hypothesis.settings.register_profile(
     "ci",
@@ -18,8 +18,9 @@ hypothesis.settings.register_profile(
     derandomize=True,
 )
 hypothesis.settings.register_profile(
-    "dev", max_examples=30, deadline=None, suppress_health_check=[
-        hypothesis.HealthCheck.too_slow
-    ]
+    "dev",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow],
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

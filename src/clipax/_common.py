@@ -85,9 +85,7 @@ def check_value_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
     flat = leaves_with_paths(tree)
     for path, leaf in flat:
         dtype = _array_dtype(path, leaf)
-        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(
-            dtype, jnp.integer
-        )
+        real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
         if not real:
             raise TypeError(
                 f"`{fn_name}` clamps real integer or floating-point leaves; the "
@@ -105,19 +103,42 @@ def accum_dtype(dtype: Any) -> np.dtype:
 
 def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
     """The widest accumulation dtype over `leaves` (float32 for no leaves)."""
-    dtypes = {accum_dtype(leaf.dtype) for leaf in leaves}
-    return np.dtype(jnp.float64) if np.float64 in dtypes else np.dtype(jnp.float32)
+    wide = any(accum_dtype(leaf.dtype).itemsize >= 8 for leaf in leaves)
+    return np.dtype(jnp.float64) if wide else np.dtype(jnp.float32)
 
 
 # Arguments.
 
 
-def check_ord(ord: Any) -> float:  # noqa: A002 - the peers' name
-    """Returns `ord` as a float p >= 1 (inf allowed), or raises ValueError."""
-    valid = isinstance(ord, numbers.Real) and not isinstance(ord, bool)
-    p = float(ord) if valid else math.nan
+STATIC_HINT = (
+    "it must be known when the function is traced; under "
+    "`optax.inject_hyperparams`, name it in `static_args`"
+)
+
+
+def check_ord(ord: Any) -> float:
+    """Returns `ord` as a float p >= 1 (inf allowed; None means 2).
+
+    Raises:
+      TypeError: if `ord` is a traced value.
+      ValueError: if `ord` is not accepted.
+    """
+    if ord is None:
+        return 2.0
+    if is_traced(ord):
+        raise TypeError(f"`ord` got a traced value; {STATIC_HINT}.")
+    real_array = (
+        isinstance(ord, (jax.Array, np.ndarray))
+        and ord.ndim == 0
+        and (
+            jnp.issubdtype(ord.dtype, jnp.floating)
+            or jnp.issubdtype(ord.dtype, jnp.integer)
+        )
+    )
+    real_number = isinstance(ord, numbers.Real) and not isinstance(ord, bool)
+    p = float(ord) if real_number or real_array else math.nan
     if math.isnan(p) or p < 1:
-        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {ord!r}.")
+        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {_short_repr(ord)}.")
     return p
 
 
@@ -202,8 +223,14 @@ def normalize_axes(axes: Any) -> tuple[int, ...] | None:
     """`axes` as a tuple of ints (None for all axes); checks type and repeats."""
     if axes is None:
         return None
-    items = (axes,) if isinstance(axes, numbers.Integral) else axes
+    if is_traced(axes):
+        raise TypeError(f"`axes` got a traced value; {STATIC_HINT}.")
     accepted = "None, an int, or a sequence of distinct ints"
+    if isinstance(axes, (jax.Array, np.ndarray)):  # e.g. from inject_hyperparams
+        if axes.ndim > 1 or not jnp.issubdtype(axes.dtype, jnp.integer):
+            raise ValueError(f"`axes` must be {accepted}; got {_short_repr(axes)}.")
+        axes = tuple(int(a) for a in np.asarray(axes).reshape(-1))
+    items = (axes,) if isinstance(axes, numbers.Integral) else axes
     try:
         items = tuple(items)
     except TypeError as error:
@@ -242,9 +269,7 @@ def leaf_axes(
 # Numerics.
 
 
-def power_sum(
-    x: jax.Array, p: float, axes: tuple[int, ...] | None = None
-) -> jax.Array:
+def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
     """Sum of |x|**p over `axes` (max |x| for p = inf), kept dims, float32+.
 
     With `axes=None` the result is a scalar. Zero-size inputs give 0.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common
+from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 
@@ -17,32 +18,51 @@ class ClipByGlobalNormState(NamedTuple):
     """State of `clip_by_global_norm`: the norm it saw last, for logging."""
 
     norm: jax.Array  # float32 scalar (float64 for float64 updates): pre-clip norm
+    nonfinite_count: jax.Array  # int32 scalar: updates whose norm was NaN or inf
 
 
 def clip_by_global_norm(
-    max_norm: ArrayLike, *, ord: float = 2  # noqa: A002
+    max_norm: ArrayLike,
+    *,
+    ord: float | None = None,
+    axis_name: AxisName = None,
+    specs: Any = None,
+    nonfinite: str = "nan",
 ) -> optax.GradientTransformation:
     """Scales the updates so that their global norm is at most `max_norm`.
 
     The drop-in for `optax.clip_by_global_norm`, `tf.clip_by_global_norm` and
     `torch.nn.utils.clip_grad_norm_`, with the rules of
     `clipax.tree.clip_by_global_norm`: TensorFlow's formula with no epsilon,
-    float32 accumulation, every output NaN when the norm is NaN or inf (wrap the
+    float32 accumulation, exact norms for every finite input, every output NaN
+    when the norm is NaN or inf (or zeros, or an error: `nonfinite`; or wrap the
     chain in `optax.apply_if_finite` to skip such steps). The pre-clip norm of
     the last update is kept in the state's `norm` field, so a training loop can
-    log it with `optax.tree.get(opt_state, "norm")` at no extra cost.
+    log it with `optax.tree.get(opt_state, "norm")` at no extra cost; the state
+    also counts the updates whose norm was not finite.
 
     Args:
       max_norm: the largest global norm allowed: a positive scalar of any
         dtype, `inf`, or a traced value (as under `optax.inject_hyperparams`).
-      ord: the norm's order: 2 (default), 1, `inf`, or any real p >= 1.
+      ord: the norm's order: None (the default) or 2 for L2, 1, `inf`, or any
+        real p >= 1. The default is None rather than 2 so that
+        `optax.inject_hyperparams` leaves it static; to pass an `ord` through
+        `inject_hyperparams`, name it in `static_args`.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
+        is split over (see `clipax.tree.global_norm`).
+      specs: inside `shard_map`, the `in_specs` of the updates: a prefix tree
+        of PartitionSpecs (see `clipax.tree.global_norm`).
+      nonfinite: `"nan"` (default), `"zero"` or `"error"`: what an update with
+        a NaN or inf norm becomes (see `clipax.tree.clip_by_global_norm`).
 
     Returns:
       An `optax.GradientTransformation` whose state is a
       `ClipByGlobalNormState`.
 
     Raises:
-      ValueError: at construction, if `max_norm` or `ord` is not accepted.
+      ValueError: at construction, if `max_norm`, `ord`, `axis_name` or
+        `nonfinite` is not accepted.
+      TypeError: if `ord` is traced.
 
     Example:
       >>> import jax.numpy as jnp
@@ -63,11 +83,15 @@ def clip_by_global_norm(
     """
     _common.check_max_norm("max_norm", max_norm)
     p = _common.check_ord(ord)
+    normalize_axis_name(axis_name)
+    _global_norm.check_nonfinite(nonfinite)
 
     def init_fn(params: optax.Params) -> ClipByGlobalNormState:
         flat = _common.check_norm_leaves(params, "clip_by_global_norm")
         dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
-        return ClipByGlobalNormState(norm=jnp.zeros((), dtype))
+        return ClipByGlobalNormState(
+            norm=jnp.zeros((), dtype), nonfinite_count=jnp.zeros((), jnp.int32)
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -75,7 +99,13 @@ def clip_by_global_norm(
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByGlobalNormState]:
         del params
-        clipped, norm = _global_norm.clip_by_global_norm(updates, max_norm, ord=p)
-        return clipped, ClipByGlobalNormState(norm=norm.astype(state.norm.dtype))
+        clipped, norm, finite = _global_norm.clip_with_norm(
+            updates, max_norm, None, p, axis_name, specs, nonfinite
+        )
+        count = state.nonfinite_count + jnp.where(finite, 0, 1).astype(jnp.int32)
+        new_state = ClipByGlobalNormState(
+            norm=norm.astype(state.norm.dtype), nonfinite_count=count
+        )
+        return clipped, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -11,6 +11,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common
+from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _norm
 
 
@@ -21,7 +22,11 @@ class ClipByNormState(NamedTuple):
 
 
 def clip_by_norm(
-    max_norm: ArrayLike, *, axes: Any = None
+    max_norm: ArrayLike,
+    *,
+    axes: Any = None,
+    axis_name: AxisName = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips each update leaf on its own to L2 norm `max_norm`.
 
@@ -35,6 +40,10 @@ def clip_by_norm(
         scalar, `inf`, or a traced value.
       axes: None (each whole leaf), an int, or a sequence of distinct ints: the
         axes each norm is taken over, for every leaf.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
+        is split over; only with `axes=None`.
+      specs: inside `shard_map`, the `in_specs` of the updates (see
+        `clipax.tree.clip_by_norm`).
 
     Returns:
       An `optax.GradientTransformation` whose state is a `ClipByNormState`.
@@ -59,6 +68,11 @@ def clip_by_norm(
     """
     _common.check_max_norm("max_norm", max_norm)
     axes = _common.normalize_axes(axes)
+    normalize_axis_name(axis_name)
+    if axis_name is not None and axes is not None:
+        raise ValueError(
+            "`axis_name` cannot be combined with `axes`; give `specs` instead."
+        )
 
     def init_fn(params: optax.Params) -> ClipByNormState:
         flat = _common.check_norm_leaves(params, "clip_by_norm")
@@ -75,7 +89,9 @@ def clip_by_norm(
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByNormState]:
         del params
-        clipped, norms = _norm.clip_by_norm_with_norms(updates, max_norm, axes)
+        clipped, norms = _norm.clip_by_norm_with_norms(
+            updates, max_norm, axes, axis_name, specs
+        )
         return clipped, ClipByNormState(norms=norms)
 
-    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init_fn, update_fn)

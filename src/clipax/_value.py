@@ -52,7 +52,7 @@ def clip_by_value(
         del params
         return _value.clip_by_value(updates, min_value, max_value), state
 
-    return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def clip(max_delta: ArrayLike) -> optax.GradientTransformation:

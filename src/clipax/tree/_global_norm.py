@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import chex
@@ -10,38 +9,80 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _reduce
+
+NONFINITE_MODES = ("nan", "zero", "error")
 
 
-def _global_norm_of(leaves: list[Any], p: float) -> jax.Array:
-    """The p-norm over all of `leaves`, accumulated in float32 or wider."""
-    dtype = _common.tree_accum_dtype(leaves)
-    if not leaves:
-        return jnp.zeros((), dtype)
-    partials = jnp.stack([_common.power_sum(x, p).astype(dtype) for x in leaves])
-    if p == math.inf:
-        return jnp.max(partials)
-    return _common.safe_root(jnp.sum(partials), p)
+def check_nonfinite(nonfinite: str) -> None:
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(
+            f"`nonfinite` must be one of {NONFINITE_MODES}; got {nonfinite!r}."
+        )
 
 
-def global_norm(tree: chex.ArrayTree, *, ord: float = 2) -> jax.Array:  # noqa: A002
+def _norm_of(
+    tree: chex.ArrayTree, fn_name: str, p: float, axis_name: Any, specs: Any
+) -> tuple[list[tuple[Any, Any]], jax.Array]:
+    flat = _common.check_norm_leaves(tree, fn_name)
+    placements = None
+    if axis_name is not None or specs is not None:
+        placements = _reduce.leaf_placements(flat, specs, axis_name)
+    return flat, _reduce.global_norm([leaf for _, leaf in flat], p, placements)
+
+
+def _raise_for_nonfinite(paths: list[str], finite: Any) -> None:
+    """Host side of `nonfinite="error"`: names the first non-finite leaf."""
+    for path, ok in zip(paths, finite, strict=True):
+        if not ok:
+            raise FloatingPointError(
+                f"clip_by_global_norm: the leaf at {path} holds NaN or inf "
+                "(nonfinite='error')."
+            )
+    raise FloatingPointError(
+        "clip_by_global_norm: the global norm is not finite although every leaf "
+        "is: it exceeds the largest float32 (nonfinite='error')."
+    )
+
+
+def global_norm(
+    tree: chex.ArrayTree,
+    *,
+    ord: float = 2,
+    axis_name: _reduce.AxisName = None,
+    specs: Any = None,
+) -> jax.Array:
     """Returns the norm of all leaves of `tree` taken together.
 
     The leaves are treated as one long vector. Squares (or |x|**p) are summed in
     float32, or float64 when a leaf is float64, so float16 and bfloat16 trees do
     not overflow where their own dtype would. None and `optax.MaskedNode` leaves
     are empty; a tree with no leaves has norm 0 for every `ord`. Complex leaves
-    contribute |x|.
+    contribute |x|. The norm is exact (within float32 rounding) for every finite
+    input, also where squares overflow or underflow float32: such sums are
+    redone with every element scaled by one power of two.
+
+    Inside `shard_map` or `pmap`, leaves are local blocks: pass `specs` or
+    `axis_name` and the result is the norm of the whole sharded tree, the same
+    on every device. Under `jax.jit` over sharded arrays (GSPMD), pass neither:
+    the norm is already global.
 
     Args:
       tree: a pytree of floating-point or complex arrays.
       ord: 2 (default), 1, `inf` (the largest absolute value), or any real p >= 1.
+      axis_name: a mesh-axis name, or a sequence of them, over which every leaf
+        is split (as per-device shards under `pmap`).
+      specs: the tree of `jax.sharding.PartitionSpec` given to `shard_map` as
+        `in_specs` for `tree` (a prefix of it); each leaf's partial sum is
+        combined over exactly the mesh axes its spec names, so a replicated
+        leaf counts once. Leaves that share those axes share one collective.
 
     Returns:
       A float32 scalar, or float64 when a leaf is float64.
 
     Raises:
-      ValueError: if `ord` is not accepted.
+      ValueError: if `ord`, `axis_name` or `specs` is not accepted; a leaf
+        without a PartitionSpec is named by its path.
       TypeError: if a leaf is not a floating-point or complex array; the
         message names its path.
 
@@ -55,8 +96,7 @@ def global_norm(tree: chex.ArrayTree, *, ord: float = 2) -> jax.Array:  # noqa: 
       Array(4., dtype=float32)
     """
     p = _common.check_ord(ord)
-    flat = _common.check_norm_leaves(tree, "global_norm")
-    return _global_norm_of([leaf for _, leaf in flat], p)
+    return _norm_of(tree, "global_norm", p, axis_name, specs)[1]
 
 
 def clip_by_global_norm(
@@ -64,17 +104,21 @@ def clip_by_global_norm(
     max_norm: ArrayLike,
     *,
     use_norm: ArrayLike | None = None,
-    ord: float = 2,  # noqa: A002
+    ord: float = 2,
+    axis_name: _reduce.AxisName = None,
+    specs: Any = None,
+    nonfinite: str = "nan",
 ) -> tuple[chex.ArrayTree, jax.Array]:
     """Scales all leaves by one factor so that their global norm is <= `max_norm`.
 
     Every leaf is multiplied by `max_norm / max(norm, max_norm)`, TensorFlow's
     formula with no epsilon: a tree whose norm is at most `max_norm` comes back
     unchanged, a zero tree too. When the norm is NaN or inf, every output leaf
-    is NaN, as in TensorFlow: a broken step is never turned silently into a small
-    or partial update. The factor is applied in float32 (float64 for float64
-    leaves) and each leaf is cast back to its dtype. The gradient of any loss of
-    the result is finite everywhere, also at a zero tree.
+    is NaN by default, as in TensorFlow: a broken step is never turned silently
+    into a small or partial update (`nonfinite` chooses otherwise). The factor
+    is applied in float32 (float64 for float64 leaves) and each leaf is cast
+    back to its dtype. The gradient of any loss of the result is finite
+    everywhere, also at a zero tree.
 
     Args:
       tree: a pytree of floating-point or complex arrays; None and
@@ -85,14 +129,24 @@ def clip_by_global_norm(
       use_norm: a norm to use instead of computing one, as in
         `tf.clip_by_global_norm`; it is also the norm returned.
       ord: the norm's order: 2 (default), 1, `inf`, or any real p >= 1.
+      axis_name: as for `global_norm`: the mesh axes every leaf is split over.
+      specs: as for `global_norm`: the `shard_map` in_specs of `tree`.
+      nonfinite: what a NaN or inf norm gives: `"nan"` (default) every output
+        NaN; `"zero"` every output zero (the step is skipped, as a whole);
+        `"error"` the program stops with a `FloatingPointError` naming the first
+        leaf, by path, that holds NaN or inf. `"error"` works under `jax.jit`
+        through `jax.debug.callback`: the one place where clipax calls back to
+        the host, and only when asked to.
 
     Returns:
       `(clipped_tree, norm)`, `norm` being the pre-clip global norm (float32, or
       float64 when a leaf is float64).
 
     Raises:
-      ValueError: if `max_norm`, `use_norm` or `ord` is not accepted.
+      ValueError: if `max_norm`, `use_norm`, `ord`, `axis_name`, `specs` or
+        `nonfinite` is not accepted.
       TypeError: if a leaf is not a floating-point or complex array.
+      FloatingPointError: with `nonfinite="error"`, for a NaN or inf norm.
 
     Example:
       >>> import jax.numpy as jnp
@@ -108,14 +162,51 @@ def clip_by_global_norm(
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2012.
     """
+    return clip_with_norm(tree, max_norm, use_norm, ord, axis_name, specs, nonfinite)[
+        :2
+    ]
+
+
+def clip_with_norm(
+    tree: chex.ArrayTree,
+    max_norm: ArrayLike,
+    use_norm: ArrayLike | None,
+    ord: Any,
+    axis_name: _reduce.AxisName,
+    specs: Any,
+    nonfinite: str,
+) -> tuple[chex.ArrayTree, jax.Array, jax.Array]:
+    """`clip_by_global_norm`, also returning whether the norm was finite."""
     _common.check_max_norm("max_norm", max_norm)
     _common.check_use_norm(use_norm)
+    check_nonfinite(nonfinite)
     p = _common.check_ord(ord)
-    leaves = [leaf for _, leaf in _common.check_norm_leaves(tree, "clip_by_global_norm")]
     if use_norm is None:
-        norm = _global_norm_of(leaves, p)
+        flat, norm = _norm_of(tree, "clip_by_global_norm", p, axis_name, specs)
     else:
-        norm = jnp.asarray(use_norm).astype(_common.tree_accum_dtype(leaves))
+        flat = _common.check_norm_leaves(tree, "clip_by_global_norm")
+        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+        norm = jnp.asarray(use_norm).astype(dtype)
+    finite = jnp.isfinite(norm)
     scale = _common.clip_scale(norm, max_norm)
-    clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), tree)
-    return clipped, norm
+    if nonfinite == "error":
+        leaf_finite = jnp.stack(
+            [jnp.all(jnp.isfinite(leaf)) for _, leaf in flat] or [finite]
+        )
+        paths = [_common.path_str(path) for path, _ in flat] or ["<none>"]
+
+        def check(ok: jax.Array, flags: jax.Array) -> None:
+            if not ok:
+                _raise_for_nonfinite(paths, flags)
+
+        jax.debug.callback(check, finite, leaf_finite)
+    if nonfinite == "zero":
+        clipped = jax.tree.map(
+            lambda x: jnp.where(finite, _common.apply_scale(x, scale), 0).astype(
+                x.dtype
+            ),
+            tree,
+        )
+    else:
+        clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), tree)
+    return clipped, norm, finite

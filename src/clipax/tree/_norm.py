@@ -6,14 +6,17 @@ from typing import Any
 
 import chex
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _reduce
 
 
 def clip_by_norm_with_norms(
-    tree: chex.ArrayTree, max_norm: ArrayLike, axes: Any
+    tree: chex.ArrayTree,
+    max_norm: ArrayLike,
+    axes: Any,
+    axis_name: _reduce.AxisName = None,
+    specs: Any = None,
 ) -> tuple[chex.ArrayTree, chex.ArrayTree]:
     """`clip_by_norm`, also returning each leaf's largest pre-clip norm.
 
@@ -22,19 +25,35 @@ def clip_by_norm_with_norms(
     """
     _common.check_max_norm("max_norm", max_norm)
     axes = _common.normalize_axes(axes)
+    if axis_name is not None and axes is not None:
+        raise ValueError(
+            "`axis_name` says that every leaf is split, but not along which "
+            f"dimension, so it cannot be combined with `axes`={axes}; give `specs` "
+            "instead."
+        )
     flat = _common.check_norm_leaves(tree, "clip_by_norm")
     leaf_axes = [_common.leaf_axes(axes, path, x.shape) for path, x in flat]
+    placements = None
+    if axis_name is not None or specs is not None:
+        placements = _reduce.leaf_placements(flat, specs, axis_name)
+    leaves = [x for _, x in flat]
+    norms = _reduce.slice_norms(leaves, leaf_axes, placements)
+    clipped = [
+        _common.apply_scale(x, _common.clip_scale(n, max_norm))
+        for x, n in zip(leaves, norms, strict=True)
+    ]
+    peaks = _reduce.leaf_peak_norms(norms, placements)
     treedef = jax.tree.structure(tree)
-    clipped, norms = [], []
-    for (_, x), reduce_axes in zip(flat, leaf_axes, strict=True):
-        norm = _common.safe_root(_common.power_sum(x, 2.0, reduce_axes), 2.0)
-        clipped.append(_common.apply_scale(x, _common.clip_scale(norm, max_norm)))
-        norms.append(jnp.max(norm, initial=0.0))
-    return treedef.unflatten(clipped), treedef.unflatten(norms)
+    return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, peaks)
 
 
 def clip_by_norm(
-    tree: chex.ArrayTree, max_norm: ArrayLike, *, axes: Any = None
+    tree: chex.ArrayTree,
+    max_norm: ArrayLike,
+    *,
+    axes: Any = None,
+    axis_name: _reduce.AxisName = None,
+    specs: Any = None,
 ) -> chex.ArrayTree:
     """Clips each leaf on its own to L2 norm `max_norm`, like `tf.clip_by_norm`.
 
@@ -52,6 +71,11 @@ def clip_by_norm(
         scalar, `inf`, or a traced value.
       axes: None (the whole leaf), an int, or a sequence of distinct ints
         (negative ones count from the end), applied to every leaf.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is split
+        over; only with `axes=None`.
+      specs: inside `shard_map`, the `in_specs` of `tree` (a prefix tree of
+        PartitionSpecs): a norm is completed across devices over exactly the
+        mesh axes that shard its reduced dimensions.
 
     Returns:
       The clipped tree, with the structure, shapes and dtypes of `tree`.
@@ -69,4 +93,4 @@ def clip_by_norm(
       Array([[-3. ,  0. ,  0. ],
              [ 3.2,  0. ,  2.4]], dtype=float32)
     """
-    return clip_by_norm_with_norms(tree, max_norm, axes)[0]
+    return clip_by_norm_with_norms(tree, max_norm, axes, axis_name, specs)[0]

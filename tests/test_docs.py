@@ -1,0 +1,47 @@
+"""The `pycon` examples in the documentation pages run and print what they show.
+
+Every fenced block marked `pycon` in `docs/*.md` is a doctest. The blocks of one
+page share their names, in order, like one interactive session.
+"""
+
+from __future__ import annotations
+
+import doctest
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+# A fence may be indented (inside a list item); the closing fence matches it.
+PYCON_BLOCK = re.compile(
+    r"^(?P<indent> *)```pycon\n(?P<body>.*?)^(?P=indent)```$", re.MULTILINE | re.DOTALL
+)
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def pages_with_examples() -> list[Path]:
+    return [p for p in sorted(DOCS.glob("*.md")) if PYCON_BLOCK.search(p.read_text())]
+
+
+def test_the_docs_have_examples() -> None:
+    names = {p.name for p in pages_with_examples()}
+    assert {"getting-started.md", "semantics.md", "porting.md"} <= names
+
+
+@pytest.mark.parametrize("page", pages_with_examples(), ids=lambda p: p.name)
+def test_page_examples(page: Path) -> None:
+    text = page.read_text()
+    parser = doctest.DocTestParser()
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    failures: list[str] = []
+    globs: dict[str, object] = {}  # DocTest copies it: carried over by hand
+    for match in PYCON_BLOCK.finditer(text):
+        lineno = text.count("\n", 0, match.start("body"))
+        body = textwrap.dedent(match.group("body"))
+        test = parser.get_doctest(body, globs, page.name, str(page), lineno)
+        assert test.examples, f"{page.name}, line {lineno + 1}: an empty block"
+        runner.run(test, out=failures.append, clear_globs=False)
+        globs = test.globs  # the next block sees this block's names
+    assert not failures, "\n".join(failures)

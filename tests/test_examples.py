@@ -1,0 +1,125 @@
+"""The example scripts run end to end (in smoke mode) and write their pictures."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The scripts need the `examples` extra; without it (`pip install -e ".[test]"`)
+# these tests are skipped, with the reason shown.
+_MISSING = [
+    name
+    for name in ("flax", "sklearn", "matplotlib", "tqdm")
+    if importlib.util.find_spec(name) is None
+]
+if _MISSING:
+    pytest.skip(
+        f"{', '.join(_MISSING)} not installed: the examples need "
+        'pip install -e ".[examples]"',
+        allow_module_level=True,
+    )
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_example(name: str, *args: str, cwd: Path) -> str:
+    """Runs `examples/<name>` in `cwd` with this interpreter; returns stdout."""
+    env = dict(os.environ, MPLBACKEND="Agg")
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"{name} exited with {result.returncode}\n"
+        f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    )
+    return result.stdout
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file(), f"{path.name} was not written"
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC), f"{path.name} is not a PNG"
+    assert len(data) > 10_000, f"{path.name} is suspiciously small ({len(data)} B)"
+
+
+def test_quickstart(tmp_path: Path) -> None:
+    out = run_example("quickstart.py", "--steps", "20", cwd=tmp_path)
+    rows = re.findall(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+(yes|no)$", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == list(range(1, 21))
+    losses = [float(r[1]) for r in rows]
+    norms = [float(r[2]) for r in rows]
+    assert all(math.isfinite(v) for v in losses + norms)
+    assert all(n > 0 for n in norms)  # the norm read from the state is filled in
+    assert losses[-1] < losses[0]
+    # "clipped" is exactly norm > max_norm (1.0), as printed.
+    assert [r[3] == "yes" for r in rows] == [n > 1.0 for n in norms]
+    clipped = int(re.search(r"^clipped steps: (\d+) of 20$", out, re.M).group(1))
+    assert clipped == sum(n > 1.0 for n in norms)
+    assert re.search(r"^test accuracy: 0\.\d+", out, re.MULTILINE)
+
+
+def parse_summary(out: str, run: str) -> dict[str, str]:
+    line = next(line for line in out.splitlines() if line.startswith(f"summary: {run}"))
+    return dict(re.findall(r"(\w+)=(\S+)", line.split(": ", 2)[2]))
+
+
+def test_exploding_gradients(tmp_path: Path) -> None:
+    out = run_example("exploding_gradients.py", "--steps", "30", cwd=tmp_path)
+    assert_png(tmp_path / "exploding_gradients.png")
+
+    # The tutorial's print-out: every leaf's norm before and after clipping.
+    assert "== unclipped ==" in out and "== clipped (max_norm=1) ==" in out
+    clipped_part = out.split("== clipped (max_norm=1) ==")[1]
+    assert re.search(r"^step 1: loss \S+, global norm \S+ -> 1$", clipped_part, re.M)
+    table = re.findall(
+        r"^  (Dense_\d/(?:kernel|bias))\s+(\S+)\s+(\S+)$", clipped_part, re.M
+    )
+    first_step = table[:10]  # 5 Dense layers, kernel and bias each
+    assert len(first_step) == 10
+    before = [float(b) for _, b, _ in first_step]
+    after = [float(a) for _, _, a in first_step]
+    assert math.sqrt(sum(a * a for a in after)) == pytest.approx(1.0, rel=1e-2)
+    ratios = [a / b for b, a in zip(before, after, strict=True)]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-2)  # one factor
+
+    unclipped = parse_summary(out, "unclipped")
+    clipped = parse_summary(out, "clipped")
+    diverged = unclipped["first_nonfinite_step"] != "none" or (
+        float(unclipped["max_loss"]) > 1e6
+    )
+    assert diverged, unclipped
+    assert clipped["first_nonfinite_step"] == "none", clipped
+    assert math.isfinite(float(clipped["final_loss"]))
+    assert float(clipped["max_loss"]) < 100
+    assert float(clipped["test_acc"]) > float(unclipped["test_acc"])
+
+
+def test_nnx_logging(tmp_path: Path) -> None:
+    out = run_example(
+        "nnx_logging.py", "--steps", "40", "--log-every", "10", cwd=tmp_path
+    )
+    assert_png(tmp_path / "nnx_logging.png")
+    rows = re.findall(r"^\s*(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)%$", out, re.MULTILINE)
+    assert [int(r[0]) for r in rows] == [10, 20, 30, 40]
+    norms = [float(r[2]) for r in rows]
+    max_norms = [float(r[3]) for r in rows]
+    fractions = [int(r[4]) for r in rows]
+    assert all(math.isfinite(n) and n > 0 for n in norms)
+    # The warmup read back from the optimizer state: rising from 0.1 to 1.0.
+    assert 0.1 < max_norms[0] < max_norms[1] <= max_norms[-1] == 1.0
+    assert all(0 <= f <= 100 for f in fractions)
+    overall = int(re.search(r"^clipped steps overall: (\d+)% of 40$", out, re.M)[1])
+    assert overall == round(sum(fractions) / len(fractions))

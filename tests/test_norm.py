@@ -1,0 +1,153 @@
+"""`clipax.tree.clip_by_norm` and the `clipax.clip_by_norm` transformation."""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import clipax
+from tests import helpers
+
+
+def _ref_clip_by_norm(x: np.ndarray, max_norm: float, axes: object) -> np.ndarray:
+    x64 = np.asarray(x, np.float64)
+    norm = np.sqrt(np.sum(x64**2, axis=axes, keepdims=True))
+    scale = np.where(norm > max_norm, max_norm / np.where(norm > 0, norm, 1), 1.0)
+    return x64 * scale
+
+
+@pytest.mark.parametrize(
+    "axes", [None, 0, 1, 2, -1, (0, 1), (1, 2), (0, 2), (-1, 0), (0, 1, 2)]
+)
+@pytest.mark.parametrize("max_norm", [0.5, 2.0, 50.0])
+def test_matches_float64_reference(axes: object, max_norm: float) -> None:
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 5)), jnp.float32)
+    got = clipax.tree.clip_by_norm({"x": x}, max_norm, axes=axes)["x"]
+    np_axes = tuple(axes) if isinstance(axes, tuple) else axes
+    np.testing.assert_allclose(
+        got, _ref_clip_by_norm(x, max_norm, np_axes), rtol=2e-6, atol=1e-7
+    )
+
+
+def test_each_leaf_is_clipped_on_its_own() -> None:
+    tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.3, 0.4]), "c": None}
+    out = clipax.tree.clip_by_norm(tree, 1.0)
+    chex.assert_trees_all_close(out["a"], jnp.array([0.6, 0.8]))
+    chex.assert_trees_all_equal(out["b"], tree["b"])
+    assert out["c"] is None
+
+
+def test_zero_slices_and_thresholds() -> None:
+    x = jnp.array([[0.0, 0.0], [3.0, 4.0]])
+    out = clipax.tree.clip_by_norm(x, 5.0, axes=1)
+    chex.assert_trees_all_equal(out, x)  # at the threshold: unchanged
+    out = clipax.tree.clip_by_norm(x, math.inf, axes=1)
+    chex.assert_trees_all_equal(out, x)
+
+
+def test_non_finite_slice_becomes_nan_others_unchanged() -> None:
+    x = jnp.array([[1.0, math.inf], [3.0, 4.0]])
+    out = clipax.tree.clip_by_norm(x, 1.0, axes=1)
+    assert bool(jnp.all(jnp.isnan(out[0])))
+    chex.assert_trees_all_close(out[1], jnp.array([0.6, 0.8]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.complex64])
+def test_dtypes_are_kept_and_accumulated_wide(dtype: jnp.dtype) -> None:
+    x = jnp.full((100, 10), 300.0, dtype)
+    out = clipax.tree.clip_by_norm(x, 1.0, axes=1)
+    assert out.dtype == dtype
+    chex.assert_tree_all_finite(out)
+    expected = 1 / math.sqrt(10)
+    np.testing.assert_allclose(
+        np.abs(np.asarray(out, np.complex64)), expected, rtol=1e-2
+    )
+
+
+@pytest.mark.parametrize(
+    ("tree", "axes", "match"),
+    [
+        (
+            {"w": jnp.ones((3, 2, 2)), "b": jnp.ones(3)},
+            2,
+            r"`axes`=\(2,\) is out of range for the leaf at \['b'\] with shape \(3,\)",
+        ),
+        (
+            {"w": jnp.ones((3, 2)), "x": jnp.ones((3, 2, 2))},
+            -3,
+            r"out of range for the leaf at \['w'\] with shape \(3, 2\)",
+        ),
+        (
+            {"w": jnp.ones((3, 2))},
+            (0, -2),
+            r"names the same axis twice for the leaf at \['w'\]",
+        ),
+    ],
+)
+def test_axes_out_of_range_name_the_leaf(tree: dict, axes: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        clipax.tree.clip_by_norm(tree, 1.0, axes=axes)
+    with pytest.raises(ValueError, match=match):
+        clipax.clip_by_norm(1.0, axes=axes).init(tree)
+
+
+@pytest.mark.parametrize("axes", [(0, 0), 1.5, "rows", (True,), [0, None]])
+def test_bad_axes_fail_at_construction(axes: object) -> None:
+    with pytest.raises(ValueError, match="`axes` must be None, an int, or a sequence"):
+        clipax.clip_by_norm(1.0, axes=axes)
+
+
+@pytest.mark.parametrize("max_norm", [0.0, -2.0, math.nan, np.ones(2)])
+def test_bad_max_norm(max_norm: object) -> None:
+    with pytest.raises(ValueError, match="`max_norm`"):
+        clipax.clip_by_norm(max_norm)
+    with pytest.raises(ValueError, match="`max_norm`"):
+        clipax.tree.clip_by_norm({"w": jnp.ones(2)}, max_norm)
+
+
+def test_integer_leaf_is_rejected_by_path() -> None:
+    with pytest.raises(TypeError, match=r"leaf at \['i'\] has dtype int32"):
+        clipax.tree.clip_by_norm({"i": jnp.arange(3)}, 1.0)
+
+
+def test_gradient_is_finite_at_zero() -> None:
+    def loss(x: jax.Array) -> jax.Array:
+        return jnp.sum(clipax.tree.clip_by_norm(x, 1.0, axes=1) ** 2)
+
+    for x in (jnp.zeros((2, 3)), jnp.array([[0.0, 0.0, 0.0], [3.0, 4.0, 0.0]])):
+        chex.assert_tree_all_finite(jax.grad(loss)(x))
+
+
+def test_transformation_keeps_per_leaf_norms() -> None:
+    params = {"a": jnp.zeros((2, 2)), "b": jnp.zeros(1), "none": None}
+    tx = clipax.clip_by_norm(1.0, axes=-1)
+    state = tx.init(params)
+    assert isinstance(state, clipax.ClipByNormState)
+    assert state.norms["none"] is None
+    grads = {
+        "a": jnp.array([[3.0, 4.0], [0.0, 0.5]]),
+        "b": jnp.array([2.0]),
+        "none": None,
+    }
+    updates, state = jax.jit(tx.update)(grads, state)
+    chex.assert_trees_all_close(updates["a"], jnp.array([[0.6, 0.8], [0.0, 0.5]]))
+    chex.assert_trees_all_close(updates["b"], jnp.array([1.0]))
+    # The largest pre-clip norm of each leaf's slices, a scalar per leaf.
+    chex.assert_trees_all_close(
+        state.norms, {"a": jnp.array(5.0), "b": jnp.array(2.0), "none": None}
+    )
+    assert optax.tree.get(state, "norms")["a"] == 5.0
+
+
+def test_transformation_compiles_once() -> None:
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    tx = clipax.clip_by_norm(0.5, axes=0)
+    state = tx.init(params)
+    _, state2 = helpers.assert_compiles_once(tx.update, params, state)
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, state2)

@@ -1,0 +1,313 @@
+"""Sharded norms: `specs` and `axis_name` under shard_map and pmap, and GSPMD.
+
+On 8 forced CPU devices, a (2, 4) mesh with sharded, replicated and partially
+sharded leaves: every result equals the same call on the unsharded arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import clipax
+
+ORDS = [1, 2, math.inf]
+
+SPECS = {
+    "w": P("data", "model"),  # sharded over both axes
+    "b": P("model"),  # sharded over one, replicated over the other
+    "c": P("data"),  # likewise, the other axis
+    "r": P(),  # replicated
+    "v": P(None, ("data", "model")),  # one dimension over both axes
+    "stack": [P("model", None), P()],
+}
+
+
+def _host_tree(scale: float = 1.0) -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+
+    def normal(*shape: int) -> np.ndarray:
+        return (scale * rng.normal(size=shape)).astype(np.float32)
+
+    return {
+        "w": normal(8, 16),
+        "b": normal(16),
+        "c": normal(4, 3),
+        "r": normal(3, 5),
+        "v": normal(2, 24),
+        "stack": [normal(4, 6), normal(5)],
+    }
+
+
+@pytest.fixture(scope="module")
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 4), ("data", "model"))
+
+
+def _shard(mesh: jax.sharding.Mesh, tree: Any, specs: Any = SPECS) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+    )
+
+
+def _shard_map(mesh: jax.sharding.Mesh, fn: Any, out_specs: Any) -> Any:
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(SPECS,), out_specs=out_specs))
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_global_norm_in_shard_map_equals_one_device(
+    mesh: jax.sharding.Mesh, ord: float
+) -> None:
+    host = _host_tree()
+    fn = _shard_map(
+        mesh, lambda t: clipax.tree.global_norm(t, ord=ord, specs=SPECS), P()
+    )
+    got = fn(_shard(mesh, host))
+    np.testing.assert_allclose(got, clipax.tree.global_norm(host, ord=ord), rtol=1e-6)
+    # Without `specs`, each device sees only its block: its norm is wrong.
+    local = _shard_map(
+        mesh,
+        lambda t: clipax.tree.global_norm(t, ord=ord).reshape(1),
+        P(("data", "model")),
+    )(_shard(mesh, host))
+    assert local.shape == (8,)
+    assert not np.allclose(local, clipax.tree.global_norm(host, ord=ord), rtol=1e-3)
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_transformation_in_shard_map_equals_one_device(
+    mesh: jax.sharding.Mesh, ord: float
+) -> None:
+    host = _host_tree(scale=3.0)
+    tx = clipax.clip_by_global_norm(1.0, ord=ord, specs=SPECS)
+    reference = clipax.clip_by_global_norm(1.0, ord=ord)
+    expected, expected_state = reference.update(host, reference.init(host))
+
+    def step(t: Any) -> Any:
+        return tx.update(t, tx.init(t))
+
+    state_specs = clipax.ClipByGlobalNormState(norm=P(), nonfinite_count=P())
+    updates, state = _shard_map(mesh, step, (SPECS, state_specs))(_shard(mesh, host))
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_tree_clip_in_shard_map_with_nonfinite_policies(
+    mesh: jax.sharding.Mesh, ord: float
+) -> None:
+    host = _host_tree(scale=3.0)
+    expected, norm = clipax.tree.clip_by_global_norm(host, 2.0, ord=ord)
+    fn = _shard_map(
+        mesh,
+        lambda t: clipax.tree.clip_by_global_norm(
+            t, 2.0, ord=ord, specs=SPECS, nonfinite="zero"
+        ),
+        (SPECS, P()),
+    )
+    got, got_norm = fn(_shard(mesh, host))
+    chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got_norm, norm, rtol=1e-6)
+
+
+@pytest.mark.parametrize("axes", [None, 0, -1])
+def test_per_leaf_clipping_in_shard_map_equals_one_device(
+    mesh: jax.sharding.Mesh, axes: Any
+) -> None:
+    host = _host_tree(scale=2.0)
+    if axes is not None:  # every leaf needs the axis: leave the vector out
+        host["b"] = host["b"].reshape(4, 4)
+        host["stack"][1] = host["stack"][1].reshape(1, 5)
+    tx = clipax.clip_by_norm(1.5, axes=axes, specs=SPECS)
+    reference = clipax.clip_by_norm(1.5, axes=axes)
+    expected, expected_state = reference.update(host, reference.init(host))
+
+    def step(t: Any) -> Any:
+        return tx.update(t, tx.init(t))
+
+    norms_specs = jax.tree.map(lambda _: P(), host)
+    updates, state = _shard_map(
+        mesh, step, (SPECS, clipax.ClipByNormState(norms=norms_specs))
+    )(_shard(mesh, host))
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(state.norms, expected_state.norms, rtol=1e-6)
+
+
+def _collectives(jaxpr: Any, counts: dict[str, int], in_cond: bool = False) -> None:
+    """Counts psum/pmax equations, those inside `cond` branches apart."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name.replace("_invariant", "")
+        if name in ("psum", "pmax"):
+            key = ("cond " if in_cond else "") + name
+            counts[key] = counts.get(key, 0) + 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _collectives(inner, counts, in_cond or name == "cond")
+
+
+def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
+    # Axis sets in SPECS: {data, model} (w, v), {model} (b, stack[0]),
+    # {data} (c), and none (r, stack[1]): three collectives, not seven.
+    host = _host_tree()
+    fn = jax.shard_map(
+        lambda t: clipax.tree.global_norm(t, specs=SPECS),
+        mesh=mesh,
+        in_specs=(SPECS,),
+        out_specs=P(),
+    )
+    counts: dict[str, int] = {}
+    _collectives(jax.make_jaxpr(fn)(_shard(mesh, host)).jaxpr, counts)
+    assert counts == {"psum": 3, "cond psum": 3, "cond pmax": 1}, counts
+    # (The rescaled pass runs only on overflow or underflow: its pmax serves
+    # every axis set at once, since max is idempotent.)
+
+    per_leaf = jax.shard_map(
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=SPECS),
+        mesh=mesh,
+        in_specs=(SPECS,),
+        out_specs=SPECS,
+    )
+    counts = {}
+    _collectives(jax.make_jaxpr(per_leaf)(_shard(mesh, host)).jaxpr, counts)
+    # Per axis set: a psum of squares and a pmax of peaks (for the range
+    # check); then one pmax so that every device agrees on whether to run the
+    # rescaled pass, and one for the per-leaf norms kept in the state.
+    assert counts == {"psum": 3, "pmax": 5, "cond psum": 3}, counts
+
+    inf_norm = jax.shard_map(
+        lambda t: clipax.tree.global_norm(t, ord=math.inf, specs=SPECS),
+        mesh=mesh,
+        in_specs=(SPECS,),
+        out_specs=P(),
+    )
+    counts = {}
+    _collectives(jax.make_jaxpr(inf_norm)(_shard(mesh, host)).jaxpr, counts)
+    assert counts == {"pmax": 1}, counts
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_pmap_with_axis_name_over_per_device_shards(ord: float) -> None:
+    rng = np.random.default_rng(3)
+    full = {
+        "w": rng.normal(size=(8, 5, 3)).astype(np.float32),
+        "b": rng.normal(size=(8, 7)).astype(np.float32),
+    }
+    expected, norm = clipax.tree.clip_by_global_norm(full, 1.0, ord=ord)
+    tx = clipax.clip_by_global_norm(1.0, ord=ord, axis_name="devices")
+
+    def step(t: Any) -> Any:
+        return tx.update(t, tx.init(t))
+
+    updates, state = jax.pmap(step, axis_name="devices")(full)
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state.norm, np.full(8, norm), rtol=1e-6)
+
+    per_leaf = jax.pmap(
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, axis_name="devices"),
+        axis_name="devices",
+    )(full)
+    chex.assert_trees_all_close(
+        per_leaf, clipax.tree.clip_by_norm(full, 1.0), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_axis_name_and_specs_together(mesh: jax.sharding.Mesh) -> None:
+    # Leaves sharded by specs over "model", and split over "data" as well.
+    host = {"a": np.arange(32, dtype=np.float32).reshape(8, 4)}
+    specs = {"a": P("data", "model")}
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t: clipax.tree.global_norm(
+                t, specs={"a": P(None, "model")}, axis_name="data"
+            ),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=P(),
+        )
+    )
+    got = fn(_shard(mesh, host, specs))
+    np.testing.assert_allclose(got, np.linalg.norm(host["a"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("specs", "error", "match"),
+    [
+        ({"w": P()}, ValueError, r"no PartitionSpec for the leaf at \['x'\]"),
+        (
+            {"w": P(), "x": P("data", "model")},
+            ValueError,
+            r"gives P\('data', 'model'\) to the leaf at \['x'\], which "
+            r"has rank 1",
+        ),
+        ({"w": P(), "x": "data"}, TypeError, r"at \['x'\] it holds 'data'"),
+        ([P(), P()], ValueError, r"no PartitionSpec for the leaf at \['w'\]"),
+    ],
+)
+def test_mismatched_specs_name_the_leaf(specs: Any, error: type, match: str) -> None:
+    tree = {"w": jnp.ones((2, 2)), "x": jnp.ones(3)}
+    with pytest.raises(error, match=match):
+        clipax.tree.global_norm(tree, specs=specs)
+    with pytest.raises(error, match=match):
+        clipax.tree.clip_by_norm(tree, 1.0, specs=specs)
+    tx = clipax.clip_by_global_norm(1.0, specs=specs)
+    with pytest.raises(error, match=match):
+        tx.update(tree, tx.init(tree))
+
+
+def test_specs_may_be_a_prefix_and_cover_masked_leaves() -> None:
+    tree = {"layer": {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}, "skip": None}
+    specs = {"layer": P(), "skip": P()}
+    np.testing.assert_allclose(clipax.tree.global_norm(tree, specs=specs), math.sqrt(6))
+    masked = {"layer": {"w": jnp.ones((2, 2)), "b": optax.MaskedNode()}, "skip": None}
+    np.testing.assert_allclose(clipax.tree.global_norm(masked, specs=specs), 2.0)
+
+
+@pytest.mark.parametrize("axis_name", [3, "", ["a", 1], ()])
+def test_bad_axis_name(axis_name: Any) -> None:
+    with pytest.raises(ValueError, match="`axis_name` must be None, a mesh-axis name"):
+        clipax.clip_by_global_norm(1.0, axis_name=axis_name)
+
+
+def test_axis_name_with_axes_is_refused() -> None:
+    with pytest.raises(ValueError, match="`axis_name` cannot be combined with `axes`"):
+        clipax.clip_by_norm(1.0, axes=0, axis_name="data")
+
+
+# GSPMD: jit over NamedSharding arrays, no arguments.
+
+_ALL_REDUCE = re.compile(r"=\s*(\([^)]*\)|\S+)\s+all-reduce(?:-start)?\(")
+
+
+@pytest.mark.parametrize("ord", ORDS)
+def test_gspmd_only_scalar_all_reduces(mesh: jax.sharding.Mesh, ord: float) -> None:
+    host = _host_tree()
+    sharded = _shard(mesh, host)
+    tx = clipax.clip_by_global_norm(1.0, ord=ord)
+    compiled = jax.jit(tx.update).lower(sharded, tx.init(sharded)).compile()
+    hlo = compiled.as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    shapes = _ALL_REDUCE.findall(hlo)
+    assert shapes, "the global norm needs at least one all-reduce"
+    for shape in shapes:
+        dims = re.findall(r"\[([^\]]*)\]", shape)
+        assert all(d == "" for d in dims), f"non-scalar all-reduce: {shape}"
+    updates, state = compiled(sharded, tx.init(sharded))
+    expected, expected_state = tx.update(host, tx.init(host))
+    chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)
+    for got, given in zip(
+        jax.tree.leaves(updates), jax.tree.leaves(sharded), strict=True
+    ):
+        assert got.sharding.is_equivalent_to(given.sharding, got.ndim)
