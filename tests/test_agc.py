@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once, shard_rows
 
 import clipax
+from tests.helpers import assert_compiles_once, shard_rows
 
 SHAPES = [(), (5,), (1, 5), (5, 1), (3, 4), (1, 1, 6), (2, 3, 4), (3, 3, 2, 4)]
 SHAPES += [(2, 2, 2, 3, 4), (0, 3)]

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_compiles_once, shard_rows
 
 import clipax
+from tests.helpers import assert_compiles_once, shard_rows
 
 
 def random_tree(seed: int) -> dict[str, np.ndarray]:
