@@ -171,7 +171,7 @@ def test_compiles_once():
 
 
 def test_traced_percentile_under_inject_hyperparams():
-    tx = optax.inject_hyperparams(clipax.autoclip, static_args=("history", "ord"))(
+    tx = optax.inject_hyperparams(clipax.autoclip, static_args=("history",))(
         percentile=50.0, history=4
     )
     norms = [3.0, 1.0, 2.0, 8.0]
@@ -218,6 +218,8 @@ def test_init_rejects_integer_leaves():
         ({"percentile": np.ones(2)}, r"`percentile`"),
         ({"history": 0}, r"`history` must be an int >= 1; got 0"),
         ({"history": 2.0}, r"`history` must be an int >= 1; got 2.0"),
+        ({"history": np.float32(2)}, r"`history` must be an int >= 1"),
+        ({"history": np.zeros((), np.int32)}, r"`history` must be an int >= 1; got 0"),
         ({"history": True}, r"`history`.*got True"),
         ({"ord": 0.5}, r"`ord` must be .*; got 0.5"),
     ],
@@ -248,3 +250,10 @@ def test_float64_updates_keep_float64_statistics():
         _, state = jax.jit(tx.update)(tree, state)
         assert state.buffer.dtype == jnp.float64
         assert float(state.norm) == math.sqrt(1.0 + 1e-8)
+
+
+def test_traced_history_asks_for_static_args():
+    tx = optax.inject_hyperparams(clipax.autoclip)(percentile=50.0, history=4)
+    state = tx.init(tree_with_norm(1.0))  # eager: history is a concrete array
+    with pytest.raises(TypeError, match=r"`history` got a traced value.*static_args"):
+        jax.jit(tx.update)(tree_with_norm(1.0), state)

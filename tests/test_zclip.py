@@ -240,3 +240,9 @@ def test_float64_updates_keep_float64_statistics():
         _, state = jax.jit(tx.update)(tree, tx.init(tree))
         assert state.mean.dtype == jnp.float64
         assert float(state.mean) == math.sqrt(1.0 + 1e-8)
+
+
+def test_traced_warmup_steps_asks_for_static_args():
+    tx = optax.inject_hyperparams(clipax.zclip)(warmup_steps=3)
+    with pytest.raises(TypeError, match=r"`warmup_steps` got a traced value"):
+        jax.jit(tx.init)(tree_with_norm(1.0))

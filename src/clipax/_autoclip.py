@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -58,7 +59,21 @@ def _check_percentile(percentile: Any) -> None:
 
 
 def check_count(name: str, value: Any) -> int:
-    """A concrete int >= 1 (a Python or NumPy int), returned as an int."""
+    """A concrete int >= 1 (a Python or NumPy int), returned as an int.
+
+    Raises:
+      TypeError: if `value` is traced (it sets a shape).
+      ValueError: if `value` is not an int >= 1.
+    """
+    if _common.is_traced(value):
+        raise TypeError(f"`{name}` got a traced value; {_common.STATIC_HINT}.")
+    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    )
+    if integer_array:
+        value = int(value)
     valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not valid or value < 1:
         raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
@@ -69,7 +84,7 @@ def autoclip(
     percentile: ArrayLike = 10.0,
     *,
     history: int = 1000,
-    ord: float = 2,
+    ord: float | None = None,
 ) -> optax.GradientTransformation:
     """Clips the updates to a percentile of their own recent global norms.
 
@@ -98,9 +113,11 @@ def autoclip(
         10 (the paper's choice) by default. May be traced (as under
         `optax.inject_hyperparams`); then it is not checked.
       history: how many of the latest norms the percentile is taken over, an
-        int >= 1.
-      ord: the order of the global norm: 2 (default), 1, `inf`, or any real
-        p >= 1.
+        int >= 1. It sets the state's shape: under `optax.inject_hyperparams`,
+        name it in `static_args`.
+      ord: the order of the global norm: None (default) or 2 for L2, 1, `inf`,
+        or any real p >= 1 (None, as in `clipax.clip_by_global_norm`, so that
+        `optax.inject_hyperparams` leaves it static).
 
     Returns:
       An `optax.GradientTransformation` whose state is an `AutoClipState`.
@@ -108,6 +125,7 @@ def autoclip(
     Raises:
       ValueError: at construction, if `percentile`, `history` or `ord` is not
         accepted.
+      TypeError: at construction, if `history` or `ord` is traced.
       TypeError: at `init` or `update`, if a leaf is not a floating-point or
         complex array.
 

@@ -102,6 +102,8 @@ def zclip(
       z_threshold: the z-score above which a norm is clipped, > 0; 2.5 by
         default. May be traced (not checked then).
       warmup_steps: how many first steps only record their norm, an int >= 1.
+        It sets the state's shape: under `optax.inject_hyperparams`, name it
+        in `static_args`.
       mode: `"adaptive"` (default) or `"std"`, the limit clipped to (above).
 
     Returns:
@@ -109,6 +111,7 @@ def zclip(
 
     Raises:
       ValueError: at construction, if an argument is not accepted.
+      TypeError: at construction, if `warmup_steps` is traced.
       TypeError: at `init` or `update`, if a leaf is not a floating-point or
         complex array.
 
