@@ -13,8 +13,8 @@ SCRIPT = pathlib.Path(__file__).parent.parent / "examples" / "adaptive_clipping.
 
 
 def test_adaptive_clipping_example_writes_its_figure(tmp_path):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("sklearn")
+    for module in ("matplotlib", "sklearn", "flax"):  # the `examples` extra
+        pytest.importorskip(module)
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
     result = subprocess.run(
