@@ -167,7 +167,7 @@ def autoclip(
     ) -> tuple[optax.Updates, AutoClipState]:
         del params
         dtype = state.norm.dtype
-        # The one global norm of the step (issue 3 passes sharding through here).
+        # The one global norm of the step: `axis_name` / `specs` would go here.
         norm = _global_norm.global_norm(updates, ord=p).astype(dtype)
         finite = jnp.isfinite(norm)
         slot = state.count % size

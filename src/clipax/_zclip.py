@@ -159,7 +159,7 @@ def zclip(
         dtype = state.norm.dtype
         a = jnp.asarray(alpha, dtype)
         zt = jnp.asarray(z_threshold, dtype)
-        # The one global norm of the step (issue 3 passes sharding through here).
+        # The one global norm of the step: `axis_name` / `specs` would go here.
         norm = _global_norm.global_norm(updates).astype(dtype)
         finite = jnp.isfinite(norm)
         warming = state.count < warmup
