@@ -85,3 +85,100 @@ def assert_compiles_once(step: Any, *args: Any, calls: int = 3) -> Any:
     assert traces[0] == 1, f"traced {traces[0]} times over {calls} calls"
     assert jitted._cache_size() == 1, f"{jitted._cache_size()} compilations"
     return out
+
+
+def spike_norms(steps: int = 90, spike_at: int = 50, seed: int = 0) -> np.ndarray:
+    """A global-norm sequence like a training run's, with a loss spike.
+
+    Norms fall from about 4 to 1 with 15% log-normal noise; at `spike_at` they
+    jump 40-fold, the next steps decay back over a few steps, as after a bad
+    batch. Positive, float64, deterministic.
+    """
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps)
+    norms = (1.0 + 3.0 * np.exp(-t / 20.0)) * np.exp(0.15 * rng.standard_normal(steps))
+    for k, factor in enumerate((40.0, 12.0, 4.0, 1.5)):
+        if spike_at + k < steps:
+            norms[spike_at + k] *= factor
+    return norms
+
+
+def tree_with_norm(norm: float, dtype: Any = np.float32) -> dict[str, Any]:
+    """A fixed-direction tree {"w": [3, 2], "b": [2], "none": None} of L2 norm
+    `norm` (the direction has norm 1)."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((3, 2))
+    b = rng.standard_normal(2)
+    total = math.sqrt(float(np.sum(w**2) + np.sum(b**2)))
+    return {
+        "w": (w * norm / total).astype(dtype),
+        "b": (b * norm / total).astype(dtype),
+        "none": None,
+    }
+
+
+def shard_rows(tree: Any) -> Any:
+    """`tree` on all devices: leaves whose axis 0 the device count divides are
+    split along it (NamedSharding over a 1-D mesh `"d"`), others replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = jax.device_count()
+    mesh = jax.make_mesh((devices,), ("d",))
+
+    def put(x: Any) -> Any:
+        rows = np.ndim(x) > 0 and np.shape(x)[0] % devices == 0
+        spec = PartitionSpec("d") if rows else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(put, tree)
+
+
+def run_updates(tx: Any, trees: list) -> tuple[list, list]:
+    """Feeds `trees` through `tx.update` under jit; returns outputs and states.
+
+    Each step is waited for: with several CPU devices, steps in flight together
+    can fill XLA's thread pool with participants of different all-reduces,
+    which then wait for each other until XLA aborts the process.
+    """
+    update = jax.jit(tx.update)
+    state = tx.init(trees[0])
+    outputs, states = [], []
+    for tree in trees:
+        out, state = jax.block_until_ready(update(tree, state))
+        outputs.append(out)
+        states.append(state)
+    return outputs, states
+
+
+def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
+    """Runs `make_tx()` over a spike sequence three ways, returns the outputs:
+    on one device, on row-sharded arrays under jit, and under pmap after a
+    pmean of per-device gradients whose mean is the same."""
+    rng = np.random.default_rng(0)
+    direction = {"w": rng.standard_normal((8, 3)), "b": rng.standard_normal(3)}
+    trees = [
+        jax.tree.map(lambda d, n=n: np.asarray(d * n, np.float32), direction)
+        for n in spike_norms(40)
+    ]
+    tx = make_tx()
+    single, _ = run_updates(tx, trees)
+    sharded, _ = run_updates(tx, [shard_rows(t) for t in trees])
+    for out, tree in zip(sharded, trees, strict=True):
+        want = shard_rows(tree)["w"].sharding
+        assert out["w"].sharding.is_equivalent_to(want, 2)  # no resharding
+    devices = jax.device_count()
+
+    def step(grads, state):
+        updates, state = tx.update(jax.lax.pmean(grads, "i"), state)
+        return updates, state
+
+    pstep = jax.pmap(step, axis_name="i")
+    state = jax.tree.map(lambda x: np.stack([x] * devices), tx.init(trees[0]))
+    pmapped = []
+    for tree in trees:
+        noise = jax.tree.map(lambda x: rng.standard_normal((devices, *x.shape)), tree)
+        noise = jax.tree.map(lambda z: z - z.mean(0), noise)  # mean zero
+        per_device = jax.tree.map(lambda x, z: (x + z).astype(np.float32), tree, noise)
+        out, state = jax.block_until_ready(pstep(per_device, state))
+        pmapped.append(jax.tree.map(lambda x: x[0], out))
+    return single, sharded, pmapped

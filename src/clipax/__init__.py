@@ -1,19 +1,26 @@
 """clipax: gradient clipping for JAX.
 
-Value, per-leaf norm and global-norm clipping as Optax transformations, and as
+Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
+ZClip, AGC, block RMS, per-example DP clipping), as Optax transformations and as
 pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
-sharding-ready, with the pre-clip norm kept in the optimizer state.
+sharding-ready, with the pre-clip norm and the clipping statistics in opt_state.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from clipax import tree as tree
+from clipax._agc import adaptive_grad_clip as adaptive_grad_clip
+from clipax._autoclip import AutoClipState as AutoClipState
+from clipax._autoclip import autoclip as autoclip
+from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
+from clipax._zclip import ZClipState as ZClipState
+from clipax._zclip import zclip as zclip
 
 try:
     __version__ = version("clipax")
@@ -21,12 +28,18 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 __all__ = [
+    "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "ZClipState",
     "__version__",
+    "adaptive_grad_clip",
+    "autoclip",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
     "tree",
+    "zclip",
 ]

@@ -1,0 +1,175 @@
+"""Adaptive gradient clipping (AGC): unit-wise, against the parameter norms."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from clipax import _common
+
+DIV_EPS = 1e-6  # optax's floor on the update norm in the division; never binds
+NO_PARAMS = (
+    "`adaptive_grad_clip` clips each update against the norm of its parameter, "
+    "so `update` needs `params`; got params=None. Call "
+    "`tx.update(updates, state, params)`."
+)
+# optax's unit axes by rank, for ranks 2 to 5 (lower ranks take the whole leaf).
+DEFAULT_AXES = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
+
+
+def _is_empty(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def unit_axes(
+    axes: tuple[int, ...] | None, path: _common.KeyPath, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The axes a leaf's unit norms are taken over, as `optax.unitwise_norm`.
+
+    Without `axes`: the whole leaf when it has at most one dimension longer
+    than 1; otherwise axis 0 for rank 2 (Dense kernels, in x out) and 3
+    (multi-head Dense), axes (0, 1, 2) for rank 4 (HWIO convolutions) and
+    (0, 1, 2, 3) for rank 5 (DHWIO). Other ranks need `axes`.
+    """
+    if axes is not None:
+        try:
+            return _common.leaf_axes(axes, path, shape)
+        except ValueError as error:  # the shared message names `axes`
+            raise ValueError(_axis_message(error)) from None
+    if sum(d != 1 for d in shape) <= 1:
+        return tuple(range(len(shape)))
+    if len(shape) in DEFAULT_AXES:
+        return DEFAULT_AXES[len(shape)]
+    raise ValueError(
+        f"`adaptive_grad_clip` has no default unit axes for the leaf at "
+        f"{_common.path_str(path)} with shape {shape} (rank {len(shape)}); it "
+        "knows ranks 0 to 5. Pass `axis` to say which axes a unit spans."
+    )
+
+
+def _axis_message(error: ValueError) -> str:
+    return str(error).replace("`axes`", "`axis`")
+
+
+def _unit_norm(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return _common.safe_root(_common.power_sum(x, 2.0, axes), 2.0)
+
+
+def _check_eps(eps: Any) -> None:
+    if _common.is_traced(eps):
+        return
+    accepted = "a finite real number >= 0"
+    array = _common.concrete_real("eps", eps, accepted)
+    if array.ndim != 0 or not 0 <= array < math.inf:  # also catches NaN
+        raise ValueError(f"`eps` must be {accepted}; got {eps!r}.")
+
+
+def adaptive_grad_clip(
+    clipping: ArrayLike, *, eps: ArrayLike = 1e-3, axis: Any = None
+) -> optax.GradientTransformation:
+    """Clips each unit of the updates to `clipping` times its parameter's norm.
+
+    AGC (Brock et al. 2021), equal to `optax.adaptive_grad_clip` on the same
+    inputs. Each leaf is cut into units, the slices along the unit axes (by
+    default as optax: a whole vector, each output column of a Dense kernel,
+    each output channel of a convolution kernel; see `axis`). A unit whose
+    update norm `|g|` is at least `clipping * max(|w|, eps)`, `|w|` being the
+    norm of the same unit of the parameters, is scaled down to exactly that
+    norm; the others pass unchanged. `eps` keeps zero-initialised parameters
+    (biases) from freezing.
+
+    As in the rest of clipax, norms are accumulated in float32 (float64 for
+    float64 leaves) and each leaf keeps its dtype; optax squares in the leaf's
+    own dtype, which for float16 or bfloat16 can overflow. A unit whose update
+    norm is NaN or inf comes back all NaN. None and `optax.MaskedNode` update
+    leaves come back in place, whatever the parameters hold there.
+
+    Args:
+      clipping: the largest ratio of a unit's update norm to its parameter
+        norm: a positive scalar, `inf`, or a traced value. The paper uses 0.01
+        to 0.16 depending on the batch size.
+      eps: the smallest parameter norm a unit is measured against, a real >= 0.
+      axis: None (optax's default by rank, above), an int, or a sequence of
+        distinct ints: the axes each unit spans, for every leaf.
+
+    Returns:
+      An `optax.GradientTransformation` with state `optax.EmptyState`.
+
+    Raises:
+      ValueError: at construction if `clipping`, `eps` or `axis` is not
+        accepted; at `init` or `update` if `axis` is out of range for a leaf,
+        or a leaf of rank above 5 gets no `axis`; at `update` if `params` is
+        None.
+      TypeError: if a leaf is not a floating-point or complex array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> params = {"w": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}
+      >>> tx = clipax.adaptive_grad_clip(0.1)
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([6.0, 8.0]), "b": jnp.array([1.0, 0.0])}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]  # norm 10 clipped to 0.1 * 5
+      Array([0.3, 0.4], dtype=float32)
+      >>> updates["b"]  # norm 1 clipped to 0.1 * max(0, 1e-3)
+      Array([0.0001, 0.    ], dtype=float32)
+
+    References:
+      Brock et al., `High-Performance Large-Scale Image Recognition Without
+      Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
+    """
+    _common.check_max_norm("clipping", clipping)
+    _check_eps(eps)
+    try:
+        axes = _common.normalize_axes(axis)
+    except ValueError as error:  # the shared message names `axes`
+        raise ValueError(_axis_message(error)) from None
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        for path, leaf in _common.check_norm_leaves(params, "adaptive_grad_clip"):
+            unit_axes(axes, path, leaf.shape)
+        return optax.EmptyState()
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.EmptyState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        if params is None:
+            raise ValueError(NO_PARAMS)
+        _common.check_norm_leaves(updates, "adaptive_grad_clip")
+        _common.check_norm_leaves(params, "adaptive_grad_clip")
+
+        def clip_leaf(path: _common.KeyPath, g: Any, w: Any) -> Any:
+            if _is_empty(g):
+                return g
+            if getattr(w, "shape", None) != g.shape:
+                raise ValueError(
+                    f"`adaptive_grad_clip` needs a parameter of the update's shape "
+                    f"{g.shape} at {_common.path_str(path)}; got "
+                    f"{getattr(w, 'shape', w)!r}."
+                )
+            reduce = unit_axes(axes, path, g.shape)
+            g_norm = _unit_norm(g, reduce)
+            w_norm = _unit_norm(w, reduce).astype(g_norm.dtype)
+            limit = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+                w_norm, jnp.asarray(eps, g_norm.dtype)
+            )
+            # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN.
+            ratio = jnp.maximum(limit, 0) / jnp.maximum(g_norm, DIV_EPS)
+            scale = jnp.where(g_norm < limit, 1, ratio)
+            scale = jnp.where(jnp.isfinite(g_norm), scale, jnp.nan)
+            return _common.apply_scale(g, scale.astype(g_norm.dtype))
+
+        clipped = jax.tree_util.tree_map_with_path(
+            clip_leaf, updates, params, is_leaf=_is_empty
+        )
+        return clipped, state
+
+    return optax.GradientTransformation(init_fn, update_fn)

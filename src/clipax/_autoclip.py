@@ -1,0 +1,187 @@
+"""AutoClip: clip to a percentile of the recent global norms, kept in opt_state."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike
+
+from clipax import _common
+from clipax.tree import _global_norm
+
+
+class AutoClipState(NamedTuple):
+    """State of `autoclip`: the recent norms and what the last update saw."""
+
+    buffer: jax.Array  # float32 [history] (float64 for float64 updates): ring
+    # buffer of the last `history` finite pre-clip global norms; slot
+    # `i % history` holds the i-th one (0-based); unwritten slots are 0
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: finite norms
+    # recorded so far (saturates at 2**31 - 1)
+    norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
+    threshold: jax.Array  # float32 scalar: the last threshold (inf before any)
+
+
+def masked_percentile(values: jax.Array, n: jax.Array, q: ArrayLike) -> jax.Array:
+    """`numpy.percentile(values[:n], q)` (linear method) for a traced `n`.
+
+    `values` has a fixed length L and `n` is an int in [1, L], so the number
+    of entries taken is dynamic under jit while every shape stays static: the
+    entries from `n` on are set to +inf, the whole array is sorted, and the
+    value at NumPy's fractional rank `(n - 1) * q / 100` is interpolated as
+    NumPy's `_lerp` does (from the upper neighbour when the fraction is >= 0.5).
+    """
+    length = values.shape[0]
+    dtype = values.dtype
+    valid = jnp.arange(length) < n
+    ordered = jnp.sort(jnp.where(valid, values, jnp.inf))
+    rank = (n - 1).astype(dtype) * (jnp.asarray(q, dtype) / 100)
+    below = jnp.clip(jnp.floor(rank).astype(jnp.int32), 0, n - 1)
+    above = jnp.minimum(below + 1, n - 1)
+    t = rank - below.astype(dtype)
+    low, high = ordered[below], ordered[above]
+    diff = high - low
+    return jnp.where(t >= 0.5, high - diff * (1 - t), low + diff * t)
+
+
+def _check_percentile(percentile: Any) -> None:
+    if _common.is_traced(percentile):
+        return
+    accepted = "a real number in [0, 100]"
+    array = _common.concrete_real("percentile", percentile, accepted)
+    if array.ndim != 0 or not 0 <= array <= 100:  # also catches NaN
+        raise ValueError(f"`percentile` must be {accepted}; got {percentile!r}.")
+
+
+def check_count(name: str, value: Any) -> int:
+    """A concrete int >= 1 (a Python or NumPy int), returned as an int.
+
+    Raises:
+      TypeError: if `value` is traced (it sets a shape).
+      ValueError: if `value` is not an int >= 1.
+    """
+    if _common.is_traced(value):
+        raise TypeError(f"`{name}` got a traced value; {_common.STATIC_HINT}.")
+    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    )
+    if integer_array:
+        value = int(value)
+    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not valid or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
+    return int(value)
+
+
+def autoclip(
+    percentile: ArrayLike = 10.0,
+    *,
+    history: int = 1000,
+    ord: float | None = None,
+) -> optax.GradientTransformation:
+    """Clips the updates to a percentile of their own recent global norms.
+
+    AutoClip (Seetharaman et al. 2020): each step, the pre-clip global norm of
+    the updates joins a ring buffer of the last `history` norms in the
+    optimizer state; the threshold is `numpy.percentile` (linear interpolation)
+    of the norms in the buffer, the current one included; and the updates are
+    clipped by global norm to that threshold with TensorFlow's formula, as in
+    `clipax.clip_by_global_norm`. The first step is never clipped (its norm is
+    its own percentile). The paper keeps every norm since the start; `history`
+    bounds the memory to O(history) and lets the threshold follow the run.
+
+    Everything stays on the device: the percentile is taken by sorting the
+    fixed-size buffer, with its unused slots set to +inf, and interpolating at
+    a rank computed from the traced count, so the step compiles once and never
+    syncs with the host.
+
+    A NaN or inf norm leaves the buffer, count and threshold as they were (one
+    broken step does not poison the next `history` thresholds), and makes
+    every output NaN, as `clipax.clip_by_global_norm` does; wrap the chain in
+    `optax.apply_if_finite` to skip such steps. Norms are accumulated in
+    float32 (float64 for float64 updates).
+
+    Args:
+      percentile: the percentile of the recent norms to clip to, in [0, 100];
+        10 (the paper's choice) by default. May be traced (as under
+        `optax.inject_hyperparams`); then it is not checked.
+      history: how many of the latest norms the percentile is taken over, an
+        int >= 1. It sets the state's shape: under `optax.inject_hyperparams`,
+        name it in `static_args`.
+      ord: the order of the global norm: None (default) or 2 for L2, 1, `inf`,
+        or any real p >= 1 (None, as in `clipax.clip_by_global_norm`, so that
+        `optax.inject_hyperparams` leaves it static).
+
+    Returns:
+      An `optax.GradientTransformation` whose state is an `AutoClipState`.
+
+    Raises:
+      ValueError: at construction, if `percentile`, `history` or `ord` is not
+        accepted.
+      TypeError: at construction, if `history` or `ord` is traced.
+      TypeError: at `init` or `update`, if a leaf is not a floating-point or
+        complex array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import clipax
+      >>> tx = clipax.autoclip(50.0, history=3)
+      >>> state = tx.init({"w": jnp.zeros(1)})
+      >>> for g in [1.0, 3.0, 2.0, 10.0]:
+      ...     updates, state = tx.update({"w": jnp.array([g])}, state)
+      >>> updates["w"]  # the median of the last three norms, 3, 2 and 10
+      Array([3.], dtype=float32)
+      >>> state.norm, state.threshold, state.count
+      (Array(10., dtype=float32), Array(3., dtype=float32), Array(4, dtype=int32))
+
+    References:
+      Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
+      Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020.
+    """
+    _check_percentile(percentile)
+    size = check_count("history", history)
+    p = _common.check_ord(ord)
+
+    def init_fn(params: optax.Params) -> AutoClipState:
+        flat = _common.check_norm_leaves(params, "autoclip")
+        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+        return AutoClipState(
+            buffer=jnp.zeros((size,), dtype),
+            count=jnp.zeros((), jnp.int32),
+            norm=jnp.zeros((), dtype),
+            threshold=jnp.full((), jnp.inf, dtype),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: AutoClipState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, AutoClipState]:
+        del params
+        dtype = state.norm.dtype
+        # The one global norm of the step: `axis_name` / `specs` would go here.
+        norm = _global_norm.global_norm(updates, ord=p).astype(dtype)
+        finite = jnp.isfinite(norm)
+        slot = state.count % size
+        buffer = jnp.where(finite, state.buffer.at[slot].set(norm), state.buffer)
+        count = jnp.where(finite, optax.safe_int32_increment(state.count), state.count)
+        taken = jnp.clip(count, 1, size)
+        threshold = jnp.where(
+            finite, masked_percentile(buffer, taken, percentile), state.threshold
+        )
+        scale = _common.clip_scale(norm, threshold)
+        clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
+        new_state = AutoClipState(
+            buffer=buffer, count=count, norm=norm, threshold=threshold
+        )
+        return clipped, new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
