@@ -311,3 +311,36 @@ def test_gspmd_only_scalar_all_reduces(mesh: jax.sharding.Mesh, ord: float) -> N
         jax.tree.leaves(updates), jax.tree.leaves(sharded), strict=True
     ):
         assert got.sharding.is_equivalent_to(given.sharding, got.ndim)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: clipax.autoclip(50.0, history=4, **kw),
+        lambda **kw: clipax.zclip(warmup_steps=2, **kw),
+    ],
+    ids=["autoclip", "zclip"],
+)
+def test_adaptive_rules_in_shard_map_equal_one_device(
+    mesh: jax.sharding.Mesh, make: Any
+) -> None:
+    tx, reference = make(specs=SPECS), make()
+    hosts = [_host_tree(scale) for scale in (1.0, 2.0, 1.5, 40.0, 1.0)]
+    state, expected_state = None, reference.init(hosts[0])
+    for host in hosts:  # a spike at the fourth step
+        expected, expected_state = reference.update(host, expected_state)
+        sharded = _shard(mesh, host)
+        state_specs = jax.tree.map(lambda _: P(), expected_state)
+        if state is None:
+            state = tx.init(host)
+        step = jax.jit(
+            jax.shard_map(
+                tx.update,
+                mesh=mesh,
+                in_specs=(SPECS, state_specs),
+                out_specs=(SPECS, state_specs),
+            )
+        )
+        updates, state = step(sharded, state)
+        chex.assert_trees_all_close(updates, expected, rtol=1e-5, atol=1e-7)
+        chex.assert_trees_all_close(state, expected_state, rtol=1e-5)

@@ -12,6 +12,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common
+from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 
@@ -85,6 +86,8 @@ def autoclip(
     *,
     history: int = 1000,
     ord: float | None = None,
+    axis_name: AxisName = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips the updates to a percentile of their own recent global norms.
 
@@ -118,6 +121,10 @@ def autoclip(
       ord: the order of the global norm: None (default) or 2 for L2, 1, `inf`,
         or any real p >= 1 (None, as in `clipax.clip_by_global_norm`, so that
         `optax.inject_hyperparams` leaves it static).
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
+        is split over (see `clipax.tree.global_norm`).
+      specs: inside `shard_map`, the `in_specs` of the updates, a prefix tree of
+        PartitionSpecs (see `clipax.tree.global_norm`).
 
     Returns:
       An `optax.GradientTransformation` whose state is an `AutoClipState`.
@@ -149,6 +156,7 @@ def autoclip(
     _check_percentile(percentile)
     size = check_count("history", history)
     p = _common.check_ord(ord)
+    normalize_axis_name(axis_name)
 
     def init_fn(params: optax.Params) -> AutoClipState:
         flat = _common.check_norm_leaves(params, "autoclip")
@@ -167,8 +175,9 @@ def autoclip(
     ) -> tuple[optax.Updates, AutoClipState]:
         del params
         dtype = state.norm.dtype
-        # The one global norm of the step: `axis_name` / `specs` would go here.
-        norm = _global_norm.global_norm(updates, ord=p).astype(dtype)
+        norm = _global_norm.global_norm(
+            updates, ord=p, axis_name=axis_name, specs=specs
+        ).astype(dtype)
         finite = jnp.isfinite(norm)
         slot = state.count % size
         buffer = jnp.where(finite, state.buffer.at[slot].set(norm), state.buffer)

@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 
 from clipax import _common
 from clipax._autoclip import check_count
+from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
@@ -53,6 +54,8 @@ def zclip(
     z_threshold: ArrayLike = 2.5,
     warmup_steps: int = 25,
     mode: Literal["adaptive", "std"] = "adaptive",
+    axis_name: AxisName = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips global-norm spikes detected by their z-score against running stats.
 
@@ -105,6 +108,10 @@ def zclip(
         It sets the state's shape: under `optax.inject_hyperparams`, name it
         in `static_args`.
       mode: `"adaptive"` (default) or `"std"`, the limit clipped to (above).
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
+        is split over (see `clipax.tree.global_norm`).
+      specs: inside `shard_map`, the `in_specs` of the updates, a prefix tree of
+        PartitionSpecs (see `clipax.tree.global_norm`).
 
     Returns:
       An `optax.GradientTransformation` whose state is a `ZClipState`.
@@ -133,6 +140,7 @@ def zclip(
     """
     _check_open_unit("alpha", alpha)
     _check_positive("z_threshold", z_threshold)
+    normalize_axis_name(axis_name)
     warmup = check_count("warmup_steps", warmup_steps)
     if mode not in MODES:
         raise ValueError(f'`mode` must be "adaptive" or "std"; got {mode!r}.')
@@ -160,7 +168,9 @@ def zclip(
         a = jnp.asarray(alpha, dtype)
         zt = jnp.asarray(z_threshold, dtype)
         # The one global norm of the step: `axis_name` / `specs` would go here.
-        norm = _global_norm.global_norm(updates).astype(dtype)
+        norm = _global_norm.global_norm(
+            updates, axis_name=axis_name, specs=specs
+        ).astype(dtype)
         finite = jnp.isfinite(norm)
         warming = state.count < warmup
 
