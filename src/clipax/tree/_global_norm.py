@@ -132,11 +132,12 @@ def clip_by_global_norm(
       axis_name: as for `global_norm`: the mesh axes every leaf is split over.
       specs: as for `global_norm`: the `shard_map` in_specs of `tree`.
       nonfinite: what a NaN or inf norm gives: `"nan"` (default) every output
-        NaN; `"zero"` every output zero (the step is skipped, as a whole);
-        `"error"` the program stops with a `FloatingPointError` naming the first
-        leaf, by path, that holds NaN or inf. `"error"` works under `jax.jit`
-        through `jax.debug.callback`: the one place where clipax calls back to
-        the host, and only when asked to.
+        NaN; `"zero"` every output zero (the rest of a chain sees a zero
+        gradient, so momentum still decays; to leave the optimizer state as it
+        was, wrap the chain in `optax.apply_if_finite`); `"error"` the program
+        stops with an error naming the first leaf, by path, that holds NaN or
+        inf. `"error"` works under `jax.jit` through `jax.debug.callback`, the
+        one place where clipax calls back to the host, and only when asked to.
 
     Returns:
       `(clipped_tree, norm)`, `norm` being the pre-clip global norm (float32, or
@@ -146,7 +147,9 @@ def clip_by_global_norm(
       ValueError: if `max_norm`, `use_norm`, `ord`, `axis_name`, `specs` or
         `nonfinite` is not accepted.
       TypeError: if a leaf is not a floating-point or complex array.
-      FloatingPointError: with `nonfinite="error"`, for a NaN or inf norm.
+      FloatingPointError: with `nonfinite="error"`, for a NaN or inf norm, when
+        called eagerly; under `jax.jit`, JAX raises it as a
+        `jax.errors.JaxRuntimeError` whose message ends with this error's.
 
     Example:
       >>> import jax.numpy as jnp

@@ -1,0 +1,380 @@
+"""The bad-input catalogue: every public function, each bad input, one clear error.
+
+Each case asserts the exception type and that the message names the argument
+(in backticks) or the leaf (by path). After each error the inputs are
+unchanged: NumPy inputs are made read-only, so that any write would raise, and
+their values are compared with copies taken before the call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import clipax
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array = np.array(array)
+    array.flags.writeable = False
+    return array
+
+
+def _tree() -> dict[str, Any]:
+    return {"w": _frozen(np.arange(6.0).reshape(2, 3)), "b": _frozen(np.ones(3))}
+
+
+def _init_update(tx: optax.GradientTransformation, tree: Any) -> Any:
+    return tx.update(tree, tx.init(tree))
+
+
+# (id, call taking the tree, exception type, pattern the message must contain)
+CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
+    # Norm thresholds: negative, zero, NaN, vector, wrong type.
+    (
+        "max_norm negative",
+        lambda t: clipax.clip_by_global_norm(-1.0),
+        ValueError,
+        r"`max_norm`.*-1\.0",
+    ),
+    (
+        "max_norm zero",
+        lambda t: clipax.clip_by_global_norm(0.0),
+        ValueError,
+        r"`max_norm`.*0\.0",
+    ),
+    (
+        "max_norm NaN",
+        lambda t: clipax.clip_by_norm(math.nan),
+        ValueError,
+        r"`max_norm`.*nan",
+    ),
+    (
+        "max_norm vector",
+        lambda t: clipax.tree.clip_by_global_norm(t, np.ones(2)),
+        ValueError,
+        r"`max_norm`.*shape \(2,\)",
+    ),
+    (
+        "max_norm string",
+        lambda t: clipax.tree.clip_by_norm(t, "1"),
+        TypeError,
+        r"`max_norm`.*'1'",
+    ),
+    (
+        "max_norm bool",
+        lambda t: clipax.clip_by_global_norm(True),
+        TypeError,
+        r"`max_norm`.*True",
+    ),
+    (
+        "max_norm complex",
+        lambda t: clipax.clip_by_norm(1j),
+        TypeError,
+        r"`max_norm`.*complex",
+    ),
+    (
+        "use_norm vector",
+        lambda t: clipax.tree.clip_by_global_norm(t, 1.0, use_norm=np.ones(2)),
+        ValueError,
+        r"`use_norm`.*shape \(2,\)",
+    ),
+    (
+        "use_norm negative",
+        lambda t: clipax.tree.clip_by_global_norm(t, 1.0, use_norm=-3.0),
+        ValueError,
+        r"`use_norm`.*-3\.0",
+    ),
+    # ord
+    (
+        "ord 0",
+        lambda t: clipax.clip_by_global_norm(1.0, ord=0),
+        ValueError,
+        r"`ord`.*got 0",
+    ),
+    (
+        "ord -1",
+        lambda t: clipax.tree.global_norm(t, ord=-1),
+        ValueError,
+        r"`ord`.*got -1",
+    ),
+    (
+        "ord fro",
+        lambda t: clipax.tree.clip_by_global_norm(t, 1.0, ord="fro"),
+        ValueError,
+        r"`ord`.*'fro'",
+    ),
+    ("ord 0.5", lambda t: clipax.autoclip(ord=0.5), ValueError, r"`ord`.*0\.5"),
+    # Value bounds
+    (
+        "min > max",
+        lambda t: clipax.clip_by_value(2.0, 1.0),
+        ValueError,
+        r"`min_value` must be <= `max_value`",
+    ),
+    (
+        "min > max somewhere",
+        lambda t: clipax.tree.clip_by_value(t, np.array([0.0, 5.0, 0.0]), 1.0),
+        ValueError,
+        r"`min_value` must be <= `max_value`",
+    ),
+    (
+        "min NaN",
+        lambda t: clipax.clip_by_value(math.nan, 1.0),
+        ValueError,
+        r"`min_value` must not be NaN",
+    ),
+    (
+        "max_delta negative",
+        lambda t: clipax.clip(-0.5),
+        ValueError,
+        r"`max_delta` must be >= 0.*-0\.5",
+    ),
+    (
+        "max_delta string",
+        lambda t: clipax.clip("big"),
+        TypeError,
+        r"`max_delta`.*'big'",
+    ),
+    (
+        "bounds do not broadcast",
+        lambda t: clipax.tree.clip_by_value(t, np.zeros((4, 3)), 1.0),
+        ValueError,
+        r"broadcast to the leaf at \['b'\]",
+    ),
+    # axes
+    (
+        "axes duplicated",
+        lambda t: clipax.clip_by_norm(1.0, axes=(1, 1)),
+        ValueError,
+        r"`axes`.*repeated",
+    ),
+    (
+        "axes not ints",
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, axes="rows"),
+        ValueError,
+        r"`axes`.*'rows'",
+    ),
+    (
+        "axes out of range",
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, axes=1),
+        ValueError,
+        r"`axes`=\(1,\) is out of range for the leaf at \['b'\] with shape \(3,\)",
+    ),
+    (
+        "axes same axis twice",
+        lambda t: clipax.tree.clip_by_norm({"w": t["w"]}, 1.0, axes=(1, -1)),
+        ValueError,
+        r"names the same axis twice for the leaf at \['w'\] with shape \(2, 3\)",
+    ),
+    (
+        "axes out of range at init",
+        lambda t: clipax.clip_by_norm(1.0, axes=-3).init(t),
+        ValueError,
+        r"out of range for the leaf at \['b'\]",
+    ),
+    # Leaves: int, bool, Python lists, strings.
+    (
+        "int leaf",
+        lambda t: clipax.tree.global_norm({**t, "i": _frozen(np.arange(3))}),
+        TypeError,
+        r"leaf at \['i'\] has dtype int64",
+    ),
+    (
+        "bool leaf",
+        lambda t: clipax.tree.clip_by_norm({**t, "m": _frozen(np.ones(2, bool))}, 1.0),
+        TypeError,
+        r"leaf at \['m'\] has dtype bool",
+    ),
+    (
+        "int leaf at init",
+        lambda t: clipax.clip_by_global_norm(1.0).init({"x": [t["w"], jnp.arange(2)]}),
+        TypeError,
+        r"leaf at \['x'\]\[1\] has dtype int32",
+    ),
+    (
+        "Python list as a leaf",
+        lambda t: clipax.tree.global_norm({"w": [1.0, 2.0]}),
+        TypeError,
+        r"leaf at \['w'\]\[0\] is a float",
+    ),
+    (
+        "Python list in a transformation",
+        lambda t: _init_update(clipax.clip_by_global_norm(1.0), {"w": [1.0, 2.0]}),
+        TypeError,
+        r"leaf at \['w'\]\[0\] is a float",
+    ),
+    (
+        "string leaf",
+        lambda t: clipax.tree.clip_by_global_norm({**t, "name": "dense"}, 1.0),
+        TypeError,
+        r"leaf at \['name'\] is a str",
+    ),
+    (
+        "string array leaf",
+        lambda t: clipax.tree.global_norm({"s": _frozen(np.array(["a", "b"]))}),
+        TypeError,
+        r"leaf at \['s'\] has dtype <U1",
+    ),
+    (
+        "string leaf in value clipping",
+        lambda t: clipax.tree.clip_by_value({"s": "x"}, 0.0, 1.0),
+        TypeError,
+        r"leaf at \['s'\] is a str",
+    ),
+    (
+        "complex leaf in value clipping",
+        lambda t: clipax.tree.clip_by_value(
+            {"z": jnp.ones(2, jnp.complex64)}, 0.0, 1.0
+        ),
+        TypeError,
+        r"leaf at \['z'\] has dtype complex64",
+    ),
+    # Other arguments
+    (
+        "nonfinite unknown",
+        lambda t: clipax.clip_by_global_norm(1.0, nonfinite="skip"),
+        ValueError,
+        r"`nonfinite`.*'skip'",
+    ),
+    (
+        "axis_name not a name",
+        lambda t: clipax.tree.global_norm(t, axis_name=3),
+        ValueError,
+        r"`axis_name`.*3",
+    ),
+    (
+        "axis_name with axes",
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, axes=0, axis_name="d"),
+        ValueError,
+        r"`axis_name`.*`axes`",
+    ),
+    (
+        "specs missing a leaf",
+        lambda t: clipax.tree.global_norm(t, specs={"w": P()}),
+        ValueError,
+        r"`specs` has no PartitionSpec for the leaf at \['b'\]",
+    ),
+    (
+        "specs longer than rank",
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, specs={"w": P(), "b": P("a", "b")}),
+        ValueError,
+        r"`specs` gives .* to the leaf at \['b'\], which has rank 1",
+    ),
+    (
+        "specs not PartitionSpecs",
+        lambda t: clipax.tree.global_norm(t, specs={"w": P(), "b": ("x",)}),
+        TypeError,
+        r"`specs` must be a tree of jax.sharding.PartitionSpec",
+    ),
+    # The adaptive rules
+    (
+        "percentile above 100",
+        lambda t: clipax.autoclip(150.0),
+        ValueError,
+        r"`percentile`.*150\.0",
+    ),
+    ("history zero", lambda t: clipax.autoclip(history=0), ValueError, r"`history`.*0"),
+    (
+        "alpha outside (0, 1)",
+        lambda t: clipax.zclip(alpha=1.5),
+        ValueError,
+        r"`alpha`.*1\.5",
+    ),
+    (
+        "mode unknown",
+        lambda t: clipax.zclip(mode="median"),
+        ValueError,
+        r"`mode`.*'median'",
+    ),
+    (
+        "warmup_steps zero",
+        lambda t: clipax.zclip(warmup_steps=0),
+        ValueError,
+        r"`warmup_steps`.*0",
+    ),
+    (
+        "AGC clipping negative",
+        lambda t: clipax.adaptive_grad_clip(-1.0),
+        ValueError,
+        r"`clipping`.*-1\.0",
+    ),
+    (
+        "AGC without params",
+        lambda t: clipax.adaptive_grad_clip(0.1).update(
+            t, clipax.adaptive_grad_clip(0.1).init(t), None
+        ),
+        ValueError,
+        r"`update` needs `params`",
+    ),
+    (
+        "block RMS vector threshold",
+        lambda t: clipax.clip_by_block_rms(np.ones(2)),
+        ValueError,
+        r"`threshold`.*shape \(2,\)",
+    ),
+    (
+        "DP clip negative",
+        lambda t: clipax.tree.per_example_global_norm_clip(t, -1.0),
+        ValueError,
+        r"`l2_norm_clip`.*-1\.0",
+    ),
+    (
+        "DP ragged batch",
+        lambda t: clipax.tree.per_example_global_norm_clip(t, 1.0),
+        ValueError,
+        r"the leaf at \['w'\] has shape \(2, 3\)",
+    ),
+]
+
+
+def test_the_catalogue_is_large() -> None:
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input(
+    call: Callable[[Any], Any], error: type[Exception], pattern: str
+) -> None:
+    tree = _tree()
+    before = jax.tree.map(np.copy, tree)
+    with pytest.raises(error, match=pattern):
+        call(tree)
+    for got, expected in zip(
+        jax.tree.leaves(tree), jax.tree.leaves(before), strict=True
+    ):
+        assert not got.flags.writeable
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_numpy_inputs_are_never_written() -> None:
+    tree = _tree()
+    before = jax.tree.map(np.copy, tree)
+    for tx in (
+        clipax.clip_by_global_norm(1.0),
+        clipax.clip_by_norm(1.0, axes=0),
+        clipax.clip(0.5),
+        clipax.autoclip(),
+        clipax.zclip(warmup_steps=1),
+    ):
+        _init_update(tx, tree)
+        jax.jit(tx.update)(tree, tx.init(tree))
+    clipax.tree.clip_by_global_norm(tree, 1.0)
+    clipax.tree.clip_by_norm(tree, 1.0)
+    clipax.tree.clip_by_value(tree, 0.0, 1.0)
+    for got, expected in zip(
+        jax.tree.leaves(tree), jax.tree.leaves(before), strict=True
+    ):
+        np.testing.assert_array_equal(got, expected)
