@@ -10,9 +10,6 @@ what clipping the whole arrays on one process gives, and the same logged norm.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -94,4 +91,8 @@ def main(process_id: int, port: int) -> None:
 
 
 if __name__ == "__main__":
+    # Before JAX starts its backend (it does so lazily, on first use). Only
+    # here: pytest imports this module when it collects doctests.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
     main(int(sys.argv[1]), int(sys.argv[2]))
