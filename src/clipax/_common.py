@@ -97,8 +97,9 @@ def check_value_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
 
 def accum_dtype(dtype: Any) -> np.dtype:
     """Float32, or float64 for 64-bit leaves: never float16 or bfloat16."""
-    real = np.dtype(jnp.real(jnp.zeros((), dtype)).dtype)
-    return np.dtype(jnp.float64) if real.itemsize >= 8 else np.dtype(jnp.float32)
+    real = np.dtype(jnp.finfo(dtype).dtype)
+    wide = real.itemsize >= 8 and jax.config.read("jax_enable_x64")
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
