@@ -352,4 +352,6 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     """`x * scale`, computed in the wider of the two dtypes, cast back to x's."""
-    return (x * scale).astype(x.dtype)
+    # The leaf's dtype as JAX holds it: NumPy float64 leaves are float32 when
+    # x64 is off, and asking for float64 would only warn.
+    return (x * scale).astype(jax.dtypes.canonicalize_dtype(x.dtype))

@@ -77,8 +77,9 @@ def clip_by_value(
             )
 
     def clamp(x: jax.Array) -> jax.Array:
-        low = _bound_for(min_value, x.dtype, jnp.ceil)
-        high = _bound_for(max_value, x.dtype, jnp.floor)
-        return jnp.clip(x, low, high).astype(x.dtype)
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
+        low = _bound_for(min_value, dtype, jnp.ceil)
+        high = _bound_for(max_value, dtype, jnp.floor)
+        return jnp.clip(x, low, high).astype(dtype)
 
     return jax.tree.map(clamp, tree)
