@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _fused
 
 
 def _global_norm_of(leaves: list[Any], p: float) -> jax.Array:
@@ -18,7 +18,7 @@ def _global_norm_of(leaves: list[Any], p: float) -> jax.Array:
     dtype = _common.tree_accum_dtype(leaves)
     if not leaves:
         return jnp.zeros((), dtype)
-    partials = jnp.stack([_common.power_sum(x, p).astype(dtype) for x in leaves])
+    partials = _fused.partial_sums(leaves, p, dtype)
     if p == math.inf:
         return jnp.max(partials)
     return _common.safe_root(jnp.sum(partials), p)
