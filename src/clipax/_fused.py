@@ -1,23 +1,28 @@
-"""Fewer, larger reductions: how clipax takes the norms of trees of many leaves.
+"""Fewer, larger reductions: how clipax takes the norm of a tree of many leaves.
 
-XLA compiles one reduction kernel per leaf when each leaf's norm is taken on its
-own, and on CPU its compile time grows faster than linearly in their number
-(optax's `clip_by_global_norm` takes about 5 s to compile for 1000 leaves of
-1000 floats). Small leaves are therefore reduced in buckets: leaves of one dtype
-are flattened and concatenated into a few buffers of bounded size, and each
-buffer is reduced once. The copy costs one read and one write of the small
-leaves only; large leaves, where a kernel's fixed cost is negligible beside its
-bytes, keep a reduction of their own and are never copied.
+When each leaf's norm is taken on its own, XLA compiles a few kernels per leaf,
+and on CPU its compile time grows faster than linearly in their number (optax's
+`clip_by_global_norm` takes about 5 s to compile for 1000 leaves of 1000
+floats, 23 s for 2000). clipax reduces small leaves together instead:
 
-Bucketing never touches a leaf that may be sharded across devices: concatenating
-sharded arrays would reshard them. A leaf is bucketed only when it is known to
-live whole on each device (see `can_concatenate`); any other leaf keeps its own
-reduction, which lowers to a local reduction plus a scalar all-reduce.
+- small leaves of one dtype and one size, in groups of up to `GROUP_LEAVES`,
+  are combined element by element (|x|**p summed, or |x| maxed, across the
+  group) in one kernel that reads each leaf once and copies nothing; the short
+  result is then reduced once;
+- the remaining small leaves of one dtype are flattened and concatenated into
+  buckets of bounded size, each reduced once (a copy of those leaves only);
+- large leaves, where a kernel's fixed cost is negligible beside its bytes,
+  keep a reduction of their own.
+
+Nothing here touches a leaf that may be sharded across devices: concatenating
+or combining sharded arrays would reshard them. A leaf joins a group or a
+bucket only when it is known to live whole on each device that holds it (see
+`can_concatenate`); any other leaf keeps its own reduction, which lowers to a
+local reduction plus a scalar all-reduce.
 
 The numbers are those of the per-leaf path: every partial sum is accumulated in
-float32 or wider from the leaves' own values, zero padding adds nothing to a sum
-of |x|**p nor to a max of |x|, and the order of summation is the only
-difference (within float32 rounding of the per-leaf path).
+float32 or wider from the leaves' own values; only the order of summation
+differs (within float32 rounding).
 """
 
 from __future__ import annotations
@@ -33,12 +38,19 @@ import numpy as np
 from clipax import _common
 
 # Leaves of at most this many elements are bucketed; larger ones are reduced
-# on their own. At 2**16 float32 elements (256 KiB) a kernel's fixed cost on CPU
-# is already small beside its memory traffic (benchmarks/RESULTS.md).
-SMALL_LEAF = 1 << 16
-# The most elements one bucket holds (4 MiB of float32): bounds the temporary
-# memory of the concatenation.
+# on their own. Above 2**12 float32 elements (16 KiB) a kernel's fixed cost on
+# CPU is small beside its memory traffic, while the copy into a bucket is not
+# (benchmarks/RESULTS.md).
+SMALL_LEAF = 1 << 12
+# Small leaves of one dtype and size are combined element by element in groups
+# of at most this many leaves: one kernel reads them all, no copy is made.
+# Larger groups compile superlinearly slower (benchmarks/RESULTS.md).
+GROUP_LEAVES = 32
+# The most elements one bucket holds (4 MiB of float32).
 BUCKET_ELEMENTS = 1 << 20
+# The most elements bucketed in one tree (32 MiB of float32): bounds the
+# temporary memory of the copies; further small leaves are reduced alone.
+MAX_BUCKETED = 1 << 23
 
 
 def can_concatenate(x: Any) -> bool:
@@ -67,34 +79,88 @@ def can_concatenate(x: Any) -> bool:
     return jax.device_count() == 1
 
 
-def _bucket_plan(
+def _plan(
     leaves: Sequence[Any],
-) -> tuple[list[list[int]], list[int]]:
-    """Splits leaf indices into buckets of small leaves and lone leaves.
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Splits leaf indices into groups, buckets and lone leaves.
 
-    A bucket holds small leaves of one dtype, in tree order, with at most
-    `BUCKET_ELEMENTS` elements in all. Zero-size leaves are in neither list:
-    they add nothing to any norm.
+    - A group holds up to `GROUP_LEAVES` small leaves of one dtype and one
+      size: they are combined element by element (no copy), then reduced once.
+    - A bucket holds the other small leaves of one dtype, in tree order, with
+      at most `BUCKET_ELEMENTS` elements in all; at most `MAX_BUCKETED`
+      elements are copied into buckets over all of them.
+    - Every other leaf is reduced alone.
+    Zero-size leaves are in none of the lists: they add nothing to any norm.
     """
-    open_buckets: dict[np.dtype, list[int]] = {}
-    filled: dict[np.dtype, int] = {}
-    buckets: list[list[int]] = []
+    same: dict[tuple[np.dtype, int], list[int]] = {}
     alone: list[int] = []
     for i, x in enumerate(leaves):
         size = int(np.prod(x.shape, dtype=np.int64))
         if size == 0:
             continue
-        if size > SMALL_LEAF or not can_concatenate(x):
+        if size <= SMALL_LEAF and can_concatenate(x):
+            same.setdefault((np.dtype(x.dtype), size), []).append(i)
+        else:
+            alone.append(i)
+    groups: list[list[int]] = []
+    rest: list[int] = []
+    for members in same.values():
+        for start in range(0, len(members), GROUP_LEAVES):
+            chunk = members[start : start + GROUP_LEAVES]
+            if len(chunk) > 1:
+                groups.append(chunk)
+            else:
+                rest.extend(chunk)
+    open_buckets: dict[np.dtype, list[int]] = {}
+    filled: dict[np.dtype, int] = {}
+    buckets: list[list[int]] = []
+    bucketed = 0
+    for i in sorted(rest):
+        size = int(np.prod(leaves[i].shape, dtype=np.int64))
+        if bucketed + size > MAX_BUCKETED:
             alone.append(i)
             continue
-        dtype = np.dtype(x.dtype)
+        bucketed += size
+        dtype = np.dtype(leaves[i].dtype)
         if dtype not in open_buckets or filled[dtype] + size > BUCKET_ELEMENTS:
             open_buckets[dtype] = []
             filled[dtype] = 0
             buckets.append(open_buckets[dtype])
         open_buckets[dtype].append(i)
         filled[dtype] += size
-    return buckets, alone
+    return groups, buckets, sorted(alone)
+
+
+def _powers(x: jax.Array, p: float) -> jax.Array:
+    """|x|**p element by element (|x| for p = inf), as `power_sum` forms it."""
+    acc = _common.accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        squares = jnp.square(x.real.astype(acc)) + jnp.square(x.imag.astype(acc))
+        if p == 2:
+            return squares
+        magnitude = _common.safe_root(squares, 2.0)
+    else:
+        real = x.astype(acc)
+        if p == 2:
+            return jnp.square(real)
+        magnitude = jnp.abs(real)
+    if p in (1.0, math.inf):
+        return magnitude
+    return magnitude**p
+
+
+def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
+    """The power sum of same-size leaves, combined element by element first."""
+    combined = _powers(jnp.ravel(members[0]), p)
+    for x in members[1:]:
+        powers = _powers(jnp.ravel(x), p)
+        if p == math.inf:
+            combined = jnp.maximum(combined, powers)
+        else:
+            combined = combined + powers
+    if p == math.inf:
+        return jnp.max(combined, initial=0.0)
+    return jnp.sum(combined)
 
 
 def _concat(parts: Sequence[jax.Array]) -> jax.Array:
@@ -104,13 +170,16 @@ def _concat(parts: Sequence[jax.Array]) -> jax.Array:
 def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
     """A vector whose sum (max for p = inf) is the tree's sum of |x|**p.
 
-    Each entry is the sum of |x|**p (max |x| for p = inf) over one bucket of
-    small leaves or one large leaf, accumulated as `_common.power_sum` does and
-    cast to `dtype`. The vector has at least one entry (0 for no elements).
+    Each entry is the sum of |x|**p (max |x| for p = inf) over one group or
+    bucket of small leaves, or over one large leaf, accumulated in float32 or
+    wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
+    least one entry (0 when there are no elements).
     """
-    leaves = list(leaves)
-    buckets, alone = _bucket_plan(leaves)
-    parts = [_common.power_sum(jnp.asarray(leaves[i]), p) for i in alone]
+    leaves = [jnp.asarray(x) for x in leaves]
+    groups, buckets, alone = _plan(leaves)
+    parts = [_common.power_sum(leaves[i], p) for i in alone]
+    for group in groups:
+        parts.append(_group_sum([leaves[i] for i in group], p))
     for bucket in buckets:
         flat = _concat([jnp.ravel(leaves[i]) for i in bucket])
         parts.append(_common.power_sum(flat, p))
@@ -122,3 +191,4 @@ def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
 def total(partials: jax.Array, p: float) -> jax.Array:
     """The sum of `partial_sums` (their max for p = inf)."""
     return jnp.max(partials) if p == math.inf else jnp.sum(partials)
+
