@@ -168,9 +168,18 @@ def test_bucketed_norm_matches_float64_reference(
     np.testing.assert_allclose(norm, ref_global_norm(tree, p), **TOL)
 
 
-def test_non_finite_leaf_in_a_bucket_makes_every_output_nan() -> None:
-    tree = {"a": jnp.ones(10), "b": jnp.array([1.0, jnp.inf]), "c": jnp.ones(3)}
-    clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0)
+@pytest.mark.parametrize("p", ORDS)
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.parametrize("where", ["group", "bucket"])
+def test_non_finite_leaf_in_a_group_or_bucket_makes_every_output_nan(
+    p: float, bad: float, where: str
+) -> None:
+    tree = {"a": jnp.ones(10), "b": jnp.array([1.0, bad]), "c": jnp.ones(3)}
+    if where == "group":  # "b" and "d" have one size: combined element-wise
+        tree["d"] = jnp.array([2.0, 3.0])
+    groups, buckets, _ = _fused._plan(jax.tree.leaves(tree))
+    assert (groups != []) == (where == "group") and buckets
+    clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0, ord=p)
     assert not np.isfinite(norm)
     for leaf in jax.tree.leaves(clipped):
         assert np.isnan(np.asarray(leaf)).all()

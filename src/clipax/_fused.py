@@ -154,10 +154,7 @@ def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
     combined = _powers(jnp.ravel(members[0]), p)
     for x in members[1:]:
         powers = _powers(jnp.ravel(x), p)
-        if p == math.inf:
-            combined = jnp.maximum(combined, powers)
-        else:
-            combined = combined + powers
+        combined = jnp.maximum(combined, powers) if p == math.inf else combined + powers
     if p == math.inf:
         return jnp.max(combined, initial=0.0)
     return jnp.sum(combined)
@@ -165,6 +162,21 @@ def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
 
 def _concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def opaque_if_narrow(x: jax.Array) -> jax.Array:
+    """`x`, hidden from common-subexpression elimination when it is upcast.
+
+    A float16 or bfloat16 leaf is converted to float32 both here (for its
+    norm) and where the scale is applied. Left alone, XLA merges the two
+    conversions and writes the whole tree out in float32, one more write and
+    read of twice the gradients' bytes (and as much temporary memory). An
+    optimization barrier, which copies nothing, keeps the conversions apart,
+    so each is fused into its own consumer.
+    """
+    if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
+        return jax.lax.optimization_barrier(x)
+    return x
 
 
 def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
@@ -175,7 +187,7 @@ def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
     wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
     least one entry (0 when there are no elements).
     """
-    leaves = [jnp.asarray(x) for x in leaves]
+    leaves = [opaque_if_narrow(jnp.asarray(x)) for x in leaves]
     groups, buckets, alone = _plan(leaves)
     parts = [_common.power_sum(leaves[i], p) for i in alone]
     for group in groups:
@@ -191,4 +203,3 @@ def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
 def total(partials: jax.Array, p: float) -> jax.Array:
     """The sum of `partial_sums` (their max for p = inf)."""
     return jnp.max(partials) if p == math.inf else jnp.sum(partials)
-

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _fused
 
 
 def clip_by_norm_with_norms(
@@ -27,7 +27,8 @@ def clip_by_norm_with_norms(
     treedef = jax.tree.structure(tree)
     clipped, norms = [], []
     for (_, x), reduce_axes in zip(flat, leaf_axes, strict=True):
-        norm = _common.safe_root(_common.power_sum(x, 2.0, reduce_axes), 2.0)
+        total = _common.power_sum(_fused.opaque_if_narrow(x), 2.0, reduce_axes)
+        norm = _common.safe_root(total, 2.0)
         clipped.append(_common.apply_scale(x, _common.clip_scale(norm, max_norm)))
         norms.append(jnp.max(norm, initial=0.0))
     return treedef.unflatten(clipped), treedef.unflatten(norms)
