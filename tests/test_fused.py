@@ -326,3 +326,24 @@ def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
                 [x[4 * i : 4 * i + 4, 2 * j : 2 * j + 2].ravel(), y[4 * j : 4 * j + 4]]
             )
             np.testing.assert_allclose(norms[i, j], np.linalg.norm(block), **TOL)
+
+
+@pytest.mark.parametrize("op", ["global", "per-leaf"])
+def test_bfloat16_leaves_are_not_copied_to_float32(op: str) -> None:
+    """The float32 upcast for the norm is fused, never written out whole.
+
+    (On CPU, XLA's YNNPACK reduction does not fuse a float16 -> float32
+    conversion, so float16 leaves are still upcast into a temporary there.)
+    """
+    tree = {f"w{i}": jnp.ones((256, 256), jnp.bfloat16) for i in range(4)}
+
+    def f(t: dict) -> Any:
+        if op == "global":
+            return clipax.tree.clip_by_global_norm(t, 1.0)
+        return clipax.tree.clip_by_norm(t, 1.0)
+
+    compiled = jax.jit(f).lower(tree).compile()
+    nbytes = sum(x.nbytes for x in tree.values())
+    assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 4
+    clipped = compiled(tree)[0] if op == "global" else compiled(tree)
+    chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
