@@ -347,3 +347,20 @@ def test_bfloat16_leaves_are_not_copied_to_float32(op: str) -> None:
     assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 4
     clipped = compiled(tree)[0] if op == "global" else compiled(tree)
     chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
+
+
+@pytest.mark.usefixtures("small_buckets")
+@pytest.mark.parametrize("p", ORDS)
+def test_scaled_partial_sums_equal_sums_of_scaled_leaves(p: float) -> None:
+    """`scale` (for a rescaled pass) multiplies every element before the power."""
+    tree = ragged_tree(4, (jnp.float32, jnp.bfloat16, jnp.complex64))
+    leaves = [x * (1 - 2j) if jnp.iscomplexobj(x) else x for x in jax.tree.leaves(tree)]
+    dtype = _common.tree_accum_dtype(leaves)
+    scale = jnp.float32(2.0**-40)
+    scaled = [
+        np.asarray(x).astype(np.complex64 if jnp.iscomplexobj(x) else np.float32)
+        * np.float32(2.0**-40)
+        for x in leaves
+    ]
+    got = _fused.total(_fused.partial_sums(leaves, p, dtype, scale=scale), p)
+    chex.assert_trees_all_close(got, per_leaf_total(scaled, p, dtype), **TOL)

@@ -179,21 +179,36 @@ def opaque_if_narrow(x: jax.Array) -> jax.Array:
     return x
 
 
-def partial_sums(leaves: Sequence[Any], p: float, dtype: Any) -> jax.Array:
+def partial_sums(
+    leaves: Sequence[Any], p: float, dtype: Any, scale: Any = None
+) -> jax.Array:
     """A vector whose sum (max for p = inf) is the tree's sum of |x|**p.
 
     Each entry is the sum of |x|**p (max |x| for p = inf) over one group or
     bucket of small leaves, or over one large leaf, accumulated in float32 or
     wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
     least one entry (0 when there are no elements).
+
+    With `scale` (a scalar), every element is first upcast to its accumulation
+    dtype and multiplied by it: the sums of |x * scale|**p, as a rescaled pass
+    against overflow or underflow needs.
     """
-    leaves = [opaque_if_narrow(jnp.asarray(x)) for x in leaves]
+    leaves = [jnp.asarray(x) for x in leaves]
     groups, buckets, alone = _plan(leaves)
-    parts = [_common.power_sum(leaves[i], p) for i in alone]
+
+    def prepared(i: int) -> jax.Array:
+        x = opaque_if_narrow(leaves[i])
+        if scale is None:
+            return x
+        acc = _common.accum_dtype(x.dtype)  # real; complex leaves stay complex
+        wide = x.dtype if jnp.iscomplexobj(x) else acc
+        return x.astype(wide) * jnp.asarray(scale).astype(acc)
+
+    parts = [_common.power_sum(prepared(i), p) for i in alone]
     for group in groups:
-        parts.append(_group_sum([leaves[i] for i in group], p))
+        parts.append(_group_sum([prepared(i) for i in group], p))
     for bucket in buckets:
-        flat = _concat([jnp.ravel(leaves[i]) for i in bucket])
+        flat = _concat([jnp.ravel(prepared(i)) for i in bucket])
         parts.append(_common.power_sum(flat, p))
     if not parts:
         return jnp.zeros((1,), dtype)
