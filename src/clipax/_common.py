@@ -270,28 +270,36 @@ def leaf_axes(
 # Numerics.
 
 
+def powers(x: jax.Array, p: float) -> jax.Array:
+    """|x|**p element by element (|x| for p = inf), in float32 or wider.
+
+    Complex leaves count |x|, taken without overflow.
+    """
+    acc = accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        re, im = x.real.astype(acc), x.imag.astype(acc)
+        if p == 2:
+            return jnp.square(re) + jnp.square(im)
+        magnitude = _hypot(re, im)
+    else:
+        real = x.astype(acc)
+        if p == 2:
+            return jnp.square(real)
+        magnitude = jnp.abs(real)
+    if p in (1.0, math.inf):
+        return magnitude
+    return magnitude**p
+
+
 def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
     """Sum of |x|**p over `axes` (max |x| for p = inf), kept dims, float32+.
 
     With `axes=None` the result is a scalar. Zero-size inputs give 0.
     """
-    acc = accum_dtype(x.dtype)
     keep = axes is not None
-    if jnp.iscomplexobj(x):
-        re, im = x.real.astype(acc), x.imag.astype(acc)
-        if p == 2:
-            return jnp.sum(jnp.square(re) + jnp.square(im), axis=axes, keepdims=keep)
-        magnitude = _hypot(re, im)
-    else:
-        real = x.astype(acc)
-        if p == 2:
-            return jnp.sum(jnp.square(real), axis=axes, keepdims=keep)
-        magnitude = jnp.abs(real)
     if p == math.inf:
-        return jnp.max(magnitude, axis=axes, keepdims=keep, initial=0.0)
-    if p == 1:
-        return jnp.sum(magnitude, axis=axes, keepdims=keep)
-    return jnp.sum(magnitude**p, axis=axes, keepdims=keep)
+        return jnp.max(powers(x, p), axis=axes, keepdims=keep, initial=0.0)
+    return jnp.sum(powers(x, p), axis=axes, keepdims=keep)
 
 
 def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from clipax import _common
+from clipax import _common, _fused
 
 MeshAxes = tuple[str, ...]
 AxisName = str | Sequence[str] | None
@@ -240,31 +240,30 @@ def global_norm(
         by_group.setdefault(group, []).append(leaf)
     keys = list(by_group)
 
-    def summed(local: Callable[[jax.Array], jax.Array]) -> jax.Array:
-        """Sum of `local` over all leaves: one psum per axis set."""
+    def summed(scale: jax.Array | None = None) -> jax.Array:
+        """Sum of |x * scale|**p over all leaves: one psum per axis set.
+
+        Within an axis set, small leaves are reduced together (`_fused`).
+        """
         sums = [
-            jnp.sum(jnp.stack([local(x).astype(dtype) for x in by_group[k]]))
-            for k in keys
+            jnp.sum(_fused.partial_sums(by_group[k], p, dtype, scale)) for k in keys
         ]
         return jnp.sum(jnp.stack(_collective(sums, keys, jax.lax.psum)))
 
     def peak() -> jax.Array:
         """Largest |x| over all leaves: one pmax for every axis set."""
-        local = jnp.max(
-            jnp.stack([_common.power_sum(x, math.inf).astype(dtype) for x in leaves])
-        )
+        local = jnp.max(_fused.partial_sums(leaves, math.inf, dtype))
         return _pmax_everywhere(local, keys)
 
     if p == math.inf:
         return peak()
 
-    total = summed(lambda x: _common.power_sum(x, p))
+    total = summed()
 
     def rescaled() -> jax.Array:
         top = peak()
         inverse = _power_of_two_scale(top)
-        scaled = summed(lambda x: _common.power_sum(_upcast(x) * inverse, p))
-        return _finish(scaled, top, inverse, p)
+        return _finish(summed(inverse), top, inverse, p)
 
     untrusted = jnp.isposinf(total) | (total < _trust_floor(dtype))
     return _branch(untrusted, rescaled, lambda: _common.safe_root(total, p))
@@ -294,7 +293,11 @@ def slice_norms(
 
     def reduce(p: float, op: Callable[..., jax.Array]) -> list[jax.Array]:
         pairs = zip(leaves, leaf_axes, strict=True)
-        partials = [_common.power_sum(x, p, a) for x, a in pairs]
+        marks = (_fused.MAX_PASS,) if p == math.inf else ()  # separate passes
+        partials = [
+            _common.power_sum(_fused.opaque_if_narrow(x, *marks), p, a)
+            for x, a in pairs
+        ]
         return _collective(partials, groups, op, buckets)
 
     sums = reduce(2.0, jax.lax.psum)
@@ -312,10 +315,13 @@ def slice_norms(
 
     def rescaled() -> list[jax.Array]:
         inverses = [_power_of_two_scale(m) for m in peaks]
+        pairs = [
+            _fused.scaled_pair(x, inv) for x, inv in zip(leaves, inverses, strict=True)
+        ]
         scaled = _collective(
             [
                 _common.power_sum(_upcast(x) * inv, 2.0, a)
-                for x, inv, a in zip(leaves, inverses, leaf_axes, strict=True)
+                for (x, inv), a in zip(pairs, leaf_axes, strict=True)
             ],
             groups,
             jax.lax.psum,

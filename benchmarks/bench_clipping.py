@@ -1,0 +1,449 @@
+"""clipax against optax: run time, compile time and peak memory of clipping.
+
+Runs both libraries in one process, interleaved call by call, and prints tables
+of medians (Markdown, ready for benchmarks/RESULTS.md):
+
+    PYTHONPATH=src python benchmarks/bench_clipping.py            # full run
+    PYTHONPATH=src python benchmarks/bench_clipping.py --quick    # smoke run
+    PYTHONPATH=src python benchmarks/bench_clipping.py --plot     # + scaling.png
+
+What is measured, for each tree and each of `clip_by_global_norm`,
+`clip_by_norm` and `clip`, on the Optax transformation's `update` under
+`jax.jit`:
+- run: the median wall time of a call (blocked until ready), clipax and optax
+  called alternately so that both see the same machine load;
+- floor: one read pass plus one read-and-write pass over the tree's own
+  leaves, measured here, interleaved with the rest (`jnp.sum` of each leaf,
+  and `x * 2` of each leaf in its dtype);
+- compile: trace + lower + XLA compile of a fresh function after
+  `jax.clear_caches()` (the first call's cost, less its execution), the least
+  of 2 such compiles, in the order clipax, optax, optax, clipax (other
+  processes on a shared machine only ever add time);
+- memory: the compiled executable's `memory_analysis()`, arguments + outputs
+  + temporaries - aliased bytes: what the step holds at its peak.
+
+optax has no per-leaf `clip_by_norm` transformation; it is compared with the
+natural equivalent, `jax.tree.map` of `g * max_norm / max(||g||, max_norm)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import clipax
+
+HERE = pathlib.Path(__file__).parent
+MAX_NORM = 1.0
+Tree = Any
+
+
+# Trees.
+
+
+def _leaves(rng: np.random.Generator, shapes: list[tuple[int, ...]], dtype: Any):
+    return [
+        jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype=dtype)
+        for s in shapes
+    ]
+
+
+def uniform_tree(n: int, size: int, dtype: Any = jnp.float32, seed: int = 0) -> Tree:
+    rng = np.random.default_rng(seed)
+    leaves = _leaves(rng, [(size,)] * n, dtype)
+    return {f"p{i:05d}": x for i, x in enumerate(leaves)}
+
+
+def gpt2_shapes(
+    vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int = 12
+) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of GPT-2 small (124M parameters, 148 leaves)."""
+    shapes: dict[str, tuple[int, ...]] = {"wte": (vocab, d), "wpe": (ctx, d)}
+    for i in range(layers):
+        block = {
+            "ln_1.scale": (d,),
+            "ln_1.bias": (d,),
+            "attn.c_attn.w": (d, 3 * d),
+            "attn.c_attn.b": (3 * d,),
+            "attn.c_proj.w": (d, d),
+            "attn.c_proj.b": (d,),
+            "ln_2.scale": (d,),
+            "ln_2.bias": (d,),
+            "mlp.c_fc.w": (d, 4 * d),
+            "mlp.c_fc.b": (4 * d,),
+            "mlp.c_proj.w": (4 * d, d),
+            "mlp.c_proj.b": (d,),
+        }
+        shapes.update({f"h{i:02d}.{k}": v for k, v in block.items()})
+    shapes.update({"ln_f.scale": (d,), "ln_f.bias": (d,)})
+    return shapes
+
+
+def gpt2_tree(dtype: Any, small: bool = False) -> Tree:
+    rng = np.random.default_rng(1)
+    kw = dict(vocab=1000, ctx=64, d=64, layers=2) if small else {}
+    shapes = gpt2_shapes(**kw)
+    return dict(zip(shapes, _leaves(rng, list(shapes.values()), dtype), strict=True))
+
+
+def mixed_tree(count: int, big: int) -> Tree:
+    """Ragged shapes, float32/bfloat16/float16 leaves, scalars and None."""
+    rng = np.random.default_rng(2)
+    tree: dict[str, Any] = {}
+    dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+    for i in range(count):
+        kind = i % 6
+        shape = [
+            (int(rng.integers(1, 5000)),),
+            (int(rng.integers(1, 300)), int(rng.integers(1, 300))),
+            (),
+            (16, 16, int(rng.integers(1, 9))),
+            (int(rng.integers(big // 6, big)),),
+            (0,),
+        ][kind]
+        tree[f"m{i:04d}"] = _leaves(rng, [shape], dtypes[i % 3])[0]
+        if i % 5 == 0:
+            tree[f"none{i:04d}"] = None
+    return tree
+
+
+def tree_cases(quick: bool) -> list[tuple[str, Tree]]:
+    if quick:
+        return [
+            ("1 x 64k f32", uniform_tree(1, 1 << 16)),
+            ("40 x 4k f32", uniform_tree(40, 4000)),
+            ("100 x 100 f32", uniform_tree(100, 100)),
+            ("gpt2-tiny f32", gpt2_tree(jnp.float32, small=True)),
+            ("gpt2-tiny bf16", gpt2_tree(jnp.bfloat16, small=True)),
+            ("mixed+None", mixed_tree(30, 20_000)),
+        ]
+    return [
+        ("1 x 16M f32", uniform_tree(1, 1 << 24)),
+        ("400 x 40k f32", uniform_tree(400, 40_000)),
+        ("2000 x 1k f32", uniform_tree(2000, 1000)),
+        ("gpt2 124M f32", gpt2_tree(jnp.float32)),
+        ("gpt2 124M bf16", gpt2_tree(jnp.bfloat16)),
+        ("mixed+None", mixed_tree(200, 300_000)),
+    ]
+
+
+def describe(tree: Tree) -> tuple[int, int, int]:
+    leaves = jax.tree.leaves(tree)
+    return len(leaves), sum(x.size for x in leaves), sum(x.nbytes for x in leaves)
+
+
+# Transformations.
+
+
+def optax_clip_by_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax has no per-leaf norm clipping: the natural `jax.tree.map` form."""
+
+    def clip_leaf(g: jax.Array) -> jax.Array:
+        norm = jnp.sqrt(jnp.sum(jnp.square(g)))
+        return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+
+    def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
+        del params
+        return jax.tree.map(clip_leaf, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+OPS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+    "clip_by_global_norm": (
+        lambda: clipax.clip_by_global_norm(MAX_NORM),
+        lambda: optax.clip_by_global_norm(MAX_NORM),
+    ),
+    "clip_by_norm": (
+        lambda: clipax.clip_by_norm(MAX_NORM),
+        lambda: optax_clip_by_norm(MAX_NORM),
+    ),
+    "clip": (lambda: clipax.clip(MAX_NORM), lambda: optax.clip(MAX_NORM)),
+}
+
+
+# Measurement.
+
+
+class Built(NamedTuple):
+    call: Callable[[], Any]
+    compile_s: float
+    peak_bytes: int
+
+
+def build(tx: optax.GradientTransformation, tree: Tree) -> Built:
+    """Compiles `tx.update` afresh; returns a zero-argument call and costs."""
+    state = tx.init(tree)
+    jax.clear_caches()
+    gc.collect()
+    start = time.perf_counter()
+    compiled = jax.jit(tx.update).lower(tree, state).compile()
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    peak = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+    jax.block_until_ready(compiled(tree, state))  # warm-up
+    return Built(lambda: compiled(tree, state), compile_s, peak)
+
+
+def interleaved(calls: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """Median seconds of each call, the calls taken in turn, order alternating."""
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(repeats):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for i in order:
+            start = time.perf_counter()
+            jax.block_until_ready(calls[i]())
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def floor_calls(tree: Tree) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """A read pass and a read-and-write pass over the tree's own leaves.
+
+    Read: each leaf summed once (float32 accumulation, one scalar out); write:
+    each leaf times 2 in its own dtype, into new buffers as clipping does.
+    """
+    leaves = jax.tree.leaves(tree)
+    read = jax.jit(lambda ls: sum(jnp.sum(x, dtype=jnp.float32) for x in ls))
+    write = jax.jit(lambda ls: [x * jnp.asarray(2, x.dtype) for x in ls])
+    jax.block_until_ready((read(leaves), write(leaves)))
+    return lambda: read(leaves), lambda: write(leaves)
+
+
+def repeats_for(nbytes: int, quick: bool) -> int:
+    if quick:
+        return 3
+    return 15 if nbytes > 100 << 20 else 41
+
+
+class Row(NamedTuple):
+    tree: str
+    op: str
+    run: tuple[float, float]
+    floor: float
+    compile_s: tuple[float, float]
+    peak: tuple[int, int]
+
+
+def bench_tree(name: str, tree: Tree, quick: bool) -> list[Row]:
+    _, _, nbytes = describe(tree)
+    reps = repeats_for(nbytes, quick)
+    read, write = floor_calls(tree)
+    rows = []
+    for op, (make_clipax, make_optax) in OPS.items():
+        ours = build(make_clipax(), tree)
+        theirs = build(make_optax(), tree)
+        if not quick:  # a second pair, the other way round; the least counts
+            theirs_2 = build(make_optax(), tree)
+            ours_2 = build(make_clipax(), tree)
+            ours = ours._replace(compile_s=min(ours.compile_s, ours_2.compile_s))
+            theirs = theirs._replace(
+                compile_s=min(theirs.compile_s, theirs_2.compile_s)
+            )
+        t_ours, t_theirs, t_read, t_write = interleaved(
+            [ours.call, theirs.call, read, write], reps
+        )
+        rows.append(
+            Row(
+                name,
+                op,
+                (t_ours, t_theirs),
+                t_read + t_write,
+                (ours.compile_s, theirs.compile_s),
+                (ours.peak_bytes, theirs.peak_bytes),
+            )
+        )
+        print(f"  measured {name} / {op}", file=sys.stderr, flush=True)
+    return rows
+
+
+def chain_rows(cases: list[tuple[str, Tree]], quick: bool) -> list[tuple]:
+    """`chain(clip_by_global_norm, adam)` against `adam` alone."""
+    out = []
+    for name, tree in cases:
+        _, _, nbytes = describe(tree)
+        reps = repeats_for(nbytes, quick)
+        read, _ = floor_calls(tree)
+        txs = [
+            optax.adam(1e-3),
+            optax.chain(clipax.clip_by_global_norm(MAX_NORM), optax.adam(1e-3)),
+            optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adam(1e-3)),
+        ]
+        built = [build(tx, tree) for tx in txs]
+        times = interleaved([b.call for b in built] + [read], 3 * reps)
+        out.append((name, *times))
+        print(f"  measured {name} / chain", file=sys.stderr, flush=True)
+    return out
+
+
+# Output.
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def header() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in lscpu.splitlines()
+            if line.startswith("Model name")
+        )
+        cpu = f"{model}, {jax.devices()[0].platform}"
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"jax {jax.__version__}, jaxlib {jax.lib.__version__}, optax "
+        f"{optax.__version__}, clipax {clipax.__version__}; {cpu}; "
+        f"{len(jax.devices())} device(s) {jax.devices()[0].device_kind}"
+    )
+
+
+def print_tables(
+    trees: list[tuple[str, Tree]], rows: list[Row], chains: list[tuple]
+) -> None:
+    print("\n### Trees\n")
+    print("| tree | leaves | elements | MiB |")
+    print("|---|---:|---:|---:|")
+    for name, tree in trees:
+        n, size, nbytes = describe(tree)
+        print(f"| {name} | {n} | {size:,} | {mib(nbytes)} |")
+    print("\n### Run time (median ms), compile time (s), peak memory (MiB)\n")
+    print(
+        "| tree | op | run clipax | run optax | ratio | floor | clipax/floor "
+        "| compile clipax | compile optax | ratio | mem clipax | mem optax | ratio |"
+    )
+    print("|---|---|" + "---:|" * 11)
+    for r in rows:
+        print(
+            f"| {r.tree} | {r.op} | {ms(r.run[0])} | {ms(r.run[1])} "
+            f"| {r.run[0] / r.run[1]:.2f} | {ms(r.floor)} | {r.run[0] / r.floor:.2f} "
+            f"| {r.compile_s[0]:.2f} | {r.compile_s[1]:.2f} "
+            f"| {r.compile_s[0] / r.compile_s[1]:.2f} "
+            f"| {mib(r.peak[0])} | {mib(r.peak[1])} | {r.peak[0] / r.peak[1]:.2f} |"
+        )
+    print("\n### In a chain with adam (median ms)\n")
+    print(
+        "| tree | adam | clipax + adam | optax + adam | read pass "
+        "| clipax added / read pass | optax added / read pass |"
+    )
+    print("|---|" + "---:|" * 6)
+    for name, adam, ours, theirs, read in chains:
+        print(
+            f"| {name} | {ms(adam)} | {ms(ours)} | {ms(theirs)} | {ms(read)} "
+            f"| {(ours - adam) / read:.2f} | {(theirs - adam) / read:.2f} |"
+        )
+
+
+# Scaling chart.
+
+
+def scaling(path: pathlib.Path, counts: list[int], size: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results: dict[str, dict[str, list[float]]] = {
+        lib: {"compile": [], "run": []} for lib in ("clipax", "optax")
+    }
+    for n in counts:
+        tree = uniform_tree(n, size)
+        ours = build(clipax.clip_by_global_norm(MAX_NORM), tree)
+        theirs = build(optax.clip_by_global_norm(MAX_NORM), tree)
+        t_ours, t_theirs = interleaved([ours.call, theirs.call], 21)
+        for lib, built, t in (("clipax", ours, t_ours), ("optax", theirs, t_theirs)):
+            results[lib]["compile"].append(built.compile_s)
+            results[lib]["run"].append(t * 1e3)
+        print(
+            f"  scaling n={n}: compile {ours.compile_s:.2f} s / "
+            f"{theirs.compile_s:.2f} s, run {ms(t_ours)} / {ms(t_theirs)} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, unit in (
+        (axes[0], "compile", "compile time (s)"),
+        (axes[1], "run", "run time per step (ms)"),
+    ):
+        for lib, style in (("clipax", "o-"), ("optax", "s--")):
+            ax.plot(counts, results[lib][key], style, label=lib)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"number of leaves ({size} float32 each)")
+        ax.set_ylabel(unit)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    axes[0].set_title("clip_by_global_norm: compile (trace+lower+XLA)")
+    axes[1].set_title("clip_by_global_norm: run time under jit")
+    fig.suptitle(header(), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("\n### Scaling (clip_by_global_norm, leaves of 1000 float32)\n")
+    print(
+        "| leaves | compile clipax s | compile optax s | run clipax ms | run optax ms |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for i, n in enumerate(counts):
+        print(
+            f"| {n} | {results['clipax']['compile'][i]:.2f} "
+            f"| {results['optax']['compile'][i]:.2f} "
+            f"| {results['clipax']['run'][i]:.2f} | {results['optax']['run'][i]:.2f} |"
+        )
+    print(f"\nwrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument(
+        "--plot", action="store_true", help="also write benchmarks/scaling.png"
+    )
+    parser.add_argument(
+        "--only-plot", action="store_true", help="only the scaling chart"
+    )
+    args = parser.parse_args(argv)
+    print(f"clipax vs optax: {header()}")
+    if not args.only_plot:
+        cases = tree_cases(args.quick)
+        rows = [
+            row for name, tree in cases for row in bench_tree(name, tree, args.quick)
+        ]
+        chain_names = {"1 x 16M f32", "2000 x 1k f32", "gpt2 124M f32"}
+        chain_cases = (
+            cases[:2] if args.quick else [c for c in cases if c[0] in chain_names]
+        )
+        chains = chain_rows(chain_cases, args.quick)
+        print_tables(cases, rows, chains)
+    if args.plot or args.only_plot:
+        counts = [100, 200, 500] if args.quick else [100, 250, 500, 1000, 2000, 4000]
+        scaling(HERE / "scaling.png", counts, 1000)
+
+
+if __name__ == "__main__":
+    main()

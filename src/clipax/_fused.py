@@ -1,0 +1,230 @@
+"""Fewer, larger reductions: how clipax takes the norm of a tree of many leaves.
+
+When each leaf's norm is taken on its own, XLA compiles a few kernels per leaf,
+and on CPU its compile time grows faster than linearly in their number (optax's
+`clip_by_global_norm` takes about 5 s to compile for 1000 leaves of 1000
+floats, 23 s for 2000). clipax reduces small leaves together instead:
+
+- small leaves of one dtype and one size, in groups of up to `GROUP_LEAVES`,
+  are combined element by element (|x|**p summed, or |x| maxed, across the
+  group) in one kernel that reads each leaf once and copies nothing; the short
+  result is then reduced once;
+- the remaining small leaves of one dtype are flattened and concatenated into
+  buckets of bounded size, each reduced once (a copy of those leaves only);
+- large leaves, where a kernel's fixed cost is negligible beside its bytes,
+  keep a reduction of their own.
+
+Nothing here touches a leaf that may be sharded across devices: concatenating
+or combining sharded arrays would reshard them. A leaf joins a group or a
+bucket only when it is known to live whole on each device that holds it (see
+`can_concatenate`); any other leaf keeps its own reduction, which lowers to a
+local reduction plus a scalar all-reduce.
+
+The numbers are those of the per-leaf path: every partial sum is accumulated in
+float32 or wider from the leaves' own values; only the order of summation
+differs (within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clipax import _common
+
+# Leaves of at most this many elements are bucketed; larger ones are reduced
+# on their own. Above 2**12 float32 elements (16 KiB) a kernel's fixed cost on
+# CPU is small beside its memory traffic, while the copy into a bucket is not
+# (benchmarks/RESULTS.md).
+SMALL_LEAF = 1 << 12
+# Small leaves of one dtype and size are combined element by element in groups
+# of at most this many leaves: one kernel reads them all, no copy is made.
+# Larger groups compile superlinearly slower (benchmarks/RESULTS.md).
+GROUP_LEAVES = 32
+# The most elements one bucket holds (4 MiB of float32).
+BUCKET_ELEMENTS = 1 << 20
+# The most elements bucketed in one tree (32 MiB of float32): bounds the
+# temporary memory of the copies; further small leaves are reduced alone.
+MAX_BUCKETED = 1 << 23
+
+
+def can_concatenate(x: Any) -> bool:
+    """Whether `x` is known to be whole on every device that holds it.
+
+    True for a concrete array on one device or replicated; for a traced value
+    whose abstract sharding names no mesh axis, when it is local to a
+    `shard_map` or `pmap` body (every mesh axis manual) or replicated over an
+    explicit mesh; and for any traced value when the process has a single
+    device. False otherwise, in particular under `jax.jit` with several devices
+    and an automatic (unknown) sharding.
+    """
+    if not _common.is_traced(x):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:  # a NumPy array: it is copied to one device anyway
+            return True
+        return len(sharding.device_set) == 1 or bool(sharding.is_fully_replicated)
+    aval_sharding = getattr(jax.typeof(x), "sharding", None)
+    if aval_sharding is not None:
+        if any(entry is not None for entry in aval_sharding.spec):
+            return False  # some dimension is split over a mesh axis
+        mesh = aval_sharding.mesh
+        if not mesh.empty:
+            auto = jax.sharding.AxisType.Auto
+            return all(kind != auto for kind in mesh.axis_types)
+    return jax.device_count() == 1
+
+
+def _plan(
+    leaves: Sequence[Any],
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Splits leaf indices into groups, buckets and lone leaves.
+
+    - A group holds up to `GROUP_LEAVES` small leaves of one dtype and one
+      size: they are combined element by element (no copy), then reduced once.
+    - A bucket holds the other small leaves of one dtype, in tree order, with
+      at most `BUCKET_ELEMENTS` elements in all; at most `MAX_BUCKETED`
+      elements are copied into buckets over all of them.
+    - Every other leaf is reduced alone.
+    Zero-size leaves are in none of the lists: they add nothing to any norm.
+    """
+    same: dict[tuple[np.dtype, int], list[int]] = {}
+    alone: list[int] = []
+    for i, x in enumerate(leaves):
+        size = int(np.prod(x.shape, dtype=np.int64))
+        if size == 0:
+            continue
+        if size <= SMALL_LEAF and can_concatenate(x):
+            same.setdefault((np.dtype(x.dtype), size), []).append(i)
+        else:
+            alone.append(i)
+    groups: list[list[int]] = []
+    rest: list[int] = []
+    for members in same.values():
+        for start in range(0, len(members), GROUP_LEAVES):
+            chunk = members[start : start + GROUP_LEAVES]
+            if len(chunk) > 1:
+                groups.append(chunk)
+            else:
+                rest.extend(chunk)
+    open_buckets: dict[np.dtype, list[int]] = {}
+    filled: dict[np.dtype, int] = {}
+    buckets: list[list[int]] = []
+    bucketed = 0
+    for i in sorted(rest):
+        size = int(np.prod(leaves[i].shape, dtype=np.int64))
+        if bucketed + size > MAX_BUCKETED:
+            alone.append(i)
+            continue
+        bucketed += size
+        dtype = np.dtype(leaves[i].dtype)
+        if dtype not in open_buckets or filled[dtype] + size > BUCKET_ELEMENTS:
+            open_buckets[dtype] = []
+            filled[dtype] = 0
+            buckets.append(open_buckets[dtype])
+        open_buckets[dtype].append(i)
+        filled[dtype] += size
+    return groups, buckets, sorted(alone)
+
+
+def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
+    """The power sum of same-size leaves, combined element by element first."""
+    combined = _common.powers(jnp.ravel(members[0]), p)
+    for x in members[1:]:
+        powers = _common.powers(jnp.ravel(x), p)
+        combined = jnp.maximum(combined, powers) if p == math.inf else combined + powers
+    if p == math.inf:
+        return jnp.max(combined, initial=0.0)
+    return jnp.sum(combined)
+
+
+def _concat(parts: Sequence[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def opaque_if_narrow(x: jax.Array, *companions: Any) -> jax.Array:
+    """`x`, hidden from common-subexpression elimination when it is upcast.
+
+    A float16 or bfloat16 leaf is converted to float32 both here (for its
+    norm) and where the scale is applied. Left alone, XLA merges the two
+    conversions and writes the whole tree out in float32, one more write and
+    read of twice the gradients' bytes (and as much temporary memory). An
+    optimization barrier, which copies nothing, keeps the conversions apart,
+    so each is fused into its own consumer.
+
+    Two barriers over the same operands are themselves merged: a pass that
+    reads a leaf again (its maximum beside its sum, or a rescaled sum) passes
+    `companions`, other small values that go through its barrier with `x`
+    (the rescaled pass, its scale) and keep the barrier its own.
+    """
+    if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
+        if not companions:
+            return jax.lax.optimization_barrier(x)
+        return jax.lax.optimization_barrier((x, *companions))[0]
+    return x
+
+
+def scaled_pair(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
+    """`(x, scale)` through one barrier, for a pass that rescales `x`.
+
+    The pass must multiply by the `scale` returned here: that ties its upcast
+    of `x` to this barrier, so that XLA neither merges it with another pass's
+    upcast of the same leaf nor hoists it, either of which writes the leaf out
+    in float32.
+    """
+    pair: tuple[jax.Array, jax.Array] = jax.lax.optimization_barrier(
+        (x, jnp.asarray(scale))
+    )
+    return pair
+
+
+# The companion of a maximum's barrier, where a sum of the same leaf is taken
+# in the same computation (per-slice norms).
+MAX_PASS = np.zeros((), np.int8)
+
+
+def partial_sums(
+    leaves: Sequence[Any], p: float, dtype: Any, scale: Any = None
+) -> jax.Array:
+    """A vector whose sum (max for p = inf) is the tree's sum of |x|**p.
+
+    Each entry is the sum of |x|**p (max |x| for p = inf) over one group or
+    bucket of small leaves, or over one large leaf, accumulated in float32 or
+    wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
+    least one entry (0 when there are no elements).
+
+    With `scale` (a scalar), every element is first upcast to its accumulation
+    dtype and multiplied by it: the sums of |x * scale|**p, as a rescaled pass
+    against overflow or underflow needs.
+    """
+    leaves = [jnp.asarray(x) for x in leaves]
+    groups, buckets, alone = _plan(leaves)
+
+    def prepared(i: int) -> jax.Array:
+        if scale is None:
+            return opaque_if_narrow(leaves[i])
+        # A barrier of its own, so that XLA does not merge this pass's upcast
+        # with another pass's over the same leaf (see opaque_if_narrow).
+        x, factor = scaled_pair(leaves[i], scale)
+        acc = _common.accum_dtype(x.dtype)  # real; complex leaves stay complex
+        wide = x.dtype if jnp.iscomplexobj(x) else acc
+        return x.astype(wide) * factor.astype(acc)
+
+    parts = [_common.power_sum(prepared(i), p) for i in alone]
+    for group in groups:
+        parts.append(_group_sum([prepared(i) for i in group], p))
+    for bucket in buckets:
+        flat = _concat([jnp.ravel(prepared(i)) for i in bucket])
+        parts.append(_common.power_sum(flat, p))
+    if not parts:
+        return jnp.zeros((1,), dtype)
+    return jnp.stack([part.astype(dtype) for part in parts])
+
+
+def total(partials: jax.Array, p: float) -> jax.Array:
+    """The sum of `partial_sums` (their max for p = inf)."""
+    return jnp.max(partials) if p == math.inf else jnp.sum(partials)

@@ -1,0 +1,50 @@
+"""The benchmark script runs and prints every row (no timing is asserted)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_clipping.py"
+TREES = [
+    "1 x 64k f32",
+    "40 x 4k f32",
+    "100 x 100 f32",
+    "gpt2-tiny f32",
+    "gpt2-tiny bf16",
+    "mixed+None",
+]
+OPS = ["clip_by_global_norm", "clip_by_norm", "clip"]
+
+
+def test_quick_run_prints_every_row() -> None:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the benchmark runs on one device, as users do
+    src = str(SCRIPT.parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("clipax vs optax: jax ")
+    for tree in TREES:
+        for op in OPS:
+            row = [line for line in lines if line.startswith(f"| {tree} | {op} |")]
+            assert len(row) == 1, (tree, op)
+            cells = [c.strip() for c in row[0].strip("|").split("|")]
+            assert len(cells) == 13
+            numbers = [float(c) for c in cells[2:]]
+            assert all(n >= 0 for n in numbers), row
+    assert "### In a chain with adam (median ms)" in result.stdout
+    for i, tree in enumerate(TREES):
+        rows = [line for line in lines if line.startswith(f"| {tree} | ")]
+        in_chain = 1 if i < 2 else 0  # --quick chains adam with the first two trees
+        assert len(rows) == 1 + len(OPS) + in_chain, (tree, rows)

@@ -1,0 +1,366 @@
+"""Bucketed reductions (`clipax._fused`): same numbers, no resharding."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import clipax
+from clipax import _common, _fused
+from tests.helpers import ref_global_norm
+
+ORDS = [1.0, 2.0, 1.5, math.inf]
+TOL = {"rtol": 2e-5, "atol": 1e-30}
+
+
+def ragged_tree(seed: int, dtypes: tuple[Any, ...] = (jnp.float32,)) -> dict:
+    """Leaves of many sizes (zero-size and scalars too) and dtypes, with Nones."""
+    rng = np.random.default_rng(seed)
+    shapes = [(), (0,), (1,), (7,), (3, 5), (0, 4), (64,), (2, 3, 4), (300,), (1000,)]
+    tree: dict[str, Any] = {}
+    for i in range(40):
+        pick = int(rng.integers(len(shapes) + 4))
+        shape = shapes[pick] if pick < len(shapes) else (int(rng.integers(1, 90)),)
+        dtype = dtypes[i % len(dtypes)]
+        values = rng.standard_normal(shape).astype(np.float32) * 10.0 ** rng.integers(
+            -2, 3
+        )
+        tree[f"x{i:02d}"] = jnp.asarray(values, dtype)
+        if i % 7 == 0:
+            tree[f"none{i:02d}"] = None
+    return tree
+
+
+def per_leaf_total(leaves: list[Any], p: float, dtype: Any) -> jax.Array:
+    """The unbucketed sum (max for inf) of each leaf's own power sum."""
+    parts = [_common.power_sum(jnp.asarray(x), p).astype(dtype) for x in leaves]
+    if not parts:
+        return jnp.zeros((), dtype)
+    return _fused.total(jnp.stack(parts), p)
+
+
+@pytest.fixture
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small thresholds, so that one tree has groups, buckets and lone leaves."""
+    monkeypatch.setattr(_fused, "SMALL_LEAF", 100)
+    monkeypatch.setattr(_fused, "GROUP_LEAVES", 3)
+    monkeypatch.setattr(_fused, "BUCKET_ELEMENTS", 256)
+    monkeypatch.setattr(_fused, "MAX_BUCKETED", 400)
+
+
+@pytest.fixture
+def always_concatenate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets under jit too (the test session has 8 devices, so by default a
+    traced leaf with no known sharding is never concatenated)."""
+    monkeypatch.setattr(_fused, "can_concatenate", lambda x: True)
+
+
+@pytest.mark.usefixtures("small_buckets")
+def test_plan_groups_same_size_leaves_and_buckets_the_rest_within_bounds() -> None:
+    leaves = [
+        jnp.ones(50),  # 0: bucket
+        jnp.ones(60, jnp.bfloat16),  # 1: bf16 bucket
+        jnp.ones(0),  # 2: empty, nowhere
+        jnp.ones(101),  # 3: too large, alone
+        jnp.ones(100),  # 4: bucket
+        jnp.ones((2, 5)),  # 5: group of size 10
+        jnp.ones(30, jnp.bfloat16),  # 6: bf16 bucket
+        jnp.ones(10),  # 7: group
+        jnp.ones((5, 2)),  # 8: group
+        jnp.ones(10),  # 9: group of one: bucket
+        jnp.ones(10, jnp.bfloat16),  # 10: other dtype: bf16 bucket
+        jnp.ones(99),  # 11: a new f32 bucket (50 + 100 + 10 + 99 > 256)
+        jnp.ones(90),  # 12: past MAX_BUCKETED (400): alone
+    ]
+    groups, buckets, alone = _fused._plan(leaves)
+    assert groups == [[5, 7, 8]]
+    assert buckets == [[0, 1, 4, 6, 9, 10], [11]] or buckets == [
+        [0, 4, 9],
+        [1, 6, 10],
+        [11],
+    ]
+    assert alone == [3, 12]
+    for bucket in buckets + groups:
+        assert len({leaves[i].dtype for i in bucket}) == 1
+        assert sum(leaves[i].size for i in bucket) <= _fused.BUCKET_ELEMENTS
+    for group in groups:
+        assert len({leaves[i].size for i in group}) == 1
+
+
+@pytest.mark.usefixtures("small_buckets")
+@pytest.mark.parametrize("p", ORDS)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (jnp.float32,),
+        (jnp.float32, jnp.bfloat16, jnp.float16),
+        (jnp.complex64, jnp.float32),
+    ],
+    ids=["f32", "f32-bf16-f16", "c64-f32"],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bucketed_sums_equal_per_leaf_sums(
+    p: float, dtypes: tuple[Any, ...], seed: int
+) -> None:
+    tree = ragged_tree(seed, dtypes)
+    leaves = jax.tree.leaves(tree)
+    dtype = _common.tree_accum_dtype(leaves)
+    groups, buckets, alone = _fused._plan(leaves)  # eager leaves: concatenable
+    assert groups and any(len(b) > 1 for b in buckets) and alone
+    partials = _fused.partial_sums(leaves, p, dtype)
+    assert partials.dtype == dtype
+    bucketed = _fused.total(partials, p)
+    chex.assert_trees_all_close(bucketed, per_leaf_total(leaves, p, dtype), **TOL)
+    root = _common.safe_root(bucketed, p)
+    np.testing.assert_allclose(root, ref_global_norm(tree, p), **TOL)
+
+
+@pytest.mark.usefixtures("small_buckets", "always_concatenate")
+@pytest.mark.parametrize("p", ORDS)
+def test_bucketed_clip_by_global_norm_under_jit_matches_reference(p: float) -> None:
+    tree = ragged_tree(3, (jnp.float32, jnp.bfloat16))
+    norm_ref = ref_global_norm(tree, p)
+    max_norm = norm_ref / 3
+    clipped, norm = jax.jit(
+        lambda t: clipax.tree.clip_by_global_norm(t, max_norm, ord=p)
+    )(tree)
+    np.testing.assert_allclose(norm, norm_ref, **TOL)
+    chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
+    scale = max_norm / norm_ref
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(clipped), strict=True):
+        expected = np.asarray(x, np.float64) * scale
+        rtol = 1e-2 if x.dtype == jnp.bfloat16 else 2e-5
+        np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=rtol)
+    assert clipped["none00"] is None
+
+
+@pytest.mark.usefixtures("always_concatenate")
+@pytest.mark.parametrize("p", ORDS)
+def test_empty_and_all_zero_size_trees_have_norm_zero(p: float) -> None:
+    for tree in ({}, {"a": None}, {"a": jnp.zeros((0,)), "b": jnp.zeros((0, 3))}):
+        norm = jax.jit(lambda t, p=p: clipax.tree.global_norm(t, ord=p))(tree)
+        assert norm == 0.0 and norm.dtype == jnp.float32
+
+
+@pytest.mark.usefixtures("small_buckets")
+@hypothesis.given(
+    sizes=st.lists(st.integers(0, 300), min_size=0, max_size=30),
+    p=st.sampled_from(ORDS),
+    seed=st.integers(0, 2**16),
+)
+def test_bucketed_norm_matches_float64_reference(
+    sizes: list[int], p: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    tree = [jnp.asarray(rng.standard_normal(n).astype(np.float32)) for n in sizes]
+    norm = clipax.tree.global_norm(tree, ord=p)
+    np.testing.assert_allclose(norm, ref_global_norm(tree, p), **TOL)
+
+
+@pytest.mark.parametrize("p", ORDS)
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+@pytest.mark.parametrize("where", ["group", "bucket"])
+def test_non_finite_leaf_in_a_group_or_bucket_makes_every_output_nan(
+    p: float, bad: float, where: str
+) -> None:
+    tree = {"a": jnp.ones(10), "b": jnp.array([1.0, bad]), "c": jnp.ones(3)}
+    if where == "group":  # "b" and "d" have one size: combined element-wise
+        tree["d"] = jnp.array([2.0, 3.0])
+    groups, buckets, _ = _fused._plan(jax.tree.leaves(tree))
+    assert (groups != []) == (where == "group") and buckets
+    clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0, ord=p)
+    assert not np.isfinite(norm)
+    for leaf in jax.tree.leaves(clipped):
+        assert np.isnan(np.asarray(leaf)).all()
+
+
+# Sharding: bucketing never concatenates sharded leaves.
+
+COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|all-to-all)(-start)?\(")
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """(result shape, op) for every collective in compiled HLO text."""
+    return [(m.group(1), m.group(2)) for m in COLLECTIVE.finditer(hlo)]
+
+
+def assert_only_scalar_all_reduces(hlo: str) -> None:
+    found = collectives(hlo)
+    ops = {op for _, op in found}
+    assert ops <= {"all-reduce"}, f"unexpected collectives: {found}"
+    for shape, _ in found:
+        dims = re.findall(r"\[([^\]]*)\]", shape)
+        assert all(d == "" for d in dims), f"non-scalar all-reduce of {shape}"
+
+
+def sharded_tree(mesh: jax.sharding.Mesh) -> dict:
+    """Sharded leaves (small and large) next to small replicated ones."""
+
+    def put(x: jax.Array, spec: P) -> jax.Array:
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    rng = np.random.default_rng(0)
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+    return {
+        "w": put(normal(16, 8), P("a", "b")),
+        "v": put(normal(32), P("b")),
+        "u": put(normal(8, 4), P(None, "a")),
+        "r1": put(normal(5), P()),
+        "r2": put(normal(3, 3), P()),
+        "n": None,
+    }
+
+
+@pytest.mark.parametrize(
+    "axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto]
+)
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_sharded_leaves_are_never_concatenated(
+    axis_type: jax.sharding.AxisType, p: float
+) -> None:
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
+    tree = sharded_tree(mesh)
+
+    def f(t: dict) -> tuple[dict, jax.Array]:
+        return clipax.tree.clip_by_global_norm(t, 1.0, ord=p)
+
+    hlo = jax.jit(f).lower(tree).compile().as_text()
+    assert_only_scalar_all_reduces(hlo)
+    clipped, norm = jax.jit(f)(tree)
+    np.testing.assert_allclose(norm, ref_global_norm(tree, p), **TOL)
+    for key in ("w", "v", "u", "r1", "r2"):
+        assert clipped[key].sharding.is_equivalent_to(
+            tree[key].sharding, tree[key].ndim
+        ), key
+    assert clipped["n"] is None
+
+
+def test_can_concatenate_rules() -> None:
+    explicit = jax.make_mesh((2, 4), ("a", "b"))
+    auto = jax.make_mesh(
+        (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    sharded = jax.device_put(jnp.ones(8), NamedSharding(explicit, P("b")))
+    replicated = jax.device_put(jnp.ones(8), NamedSharding(explicit, P()))
+    auto_replicated = jax.device_put(jnp.ones(8), NamedSharding(auto, P()))
+    seen: dict[str, bool] = {}
+
+    def record(name: str) -> Any:
+        def probe(x: jax.Array) -> jax.Array:
+            seen[name] = _fused.can_concatenate(x)
+            return x
+
+        return probe
+
+    assert _fused.can_concatenate(jnp.ones(3))  # one device
+    assert _fused.can_concatenate(np.ones(3))
+    assert not _fused.can_concatenate(sharded)
+    assert _fused.can_concatenate(replicated)
+    jax.jit(record("jit, explicit sharded"))(sharded)
+    jax.jit(record("jit, explicit replicated"))(replicated)
+    jax.jit(record("jit, auto"))(auto_replicated)
+    jax.jit(record("jit, no mesh"))(jnp.ones(8))
+    jax.shard_map(
+        record("shard_map block"), mesh=explicit, in_specs=P("b"), out_specs=P("b")
+    )(sharded)
+    jax.jit(
+        jax.shard_map(
+            record("partial shard_map, sharded over b"),
+            mesh=explicit,
+            in_specs=P("a"),
+            out_specs=P("a"),
+            axis_names={"a"},
+        )
+    )(jax.device_put(jnp.ones((8, 4)), NamedSharding(explicit, P("a", "b"))))
+    jax.pmap(record("pmap"))(jnp.ones((8, 3)))
+    assert seen == {
+        "jit, explicit sharded": False,
+        "jit, explicit replicated": True,
+        "jit, auto": False,
+        "jit, no mesh": jax.device_count() == 1,
+        "shard_map block": True,
+        "partial shard_map, sharded over b": False,
+        "pmap": True,
+    }
+
+
+def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    tree = {"x": jnp.arange(64.0).reshape(8, 8), "y": jnp.arange(16.0)}
+    specs = {"x": P("a", "b"), "y": P("b")}
+    tree = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+    )
+
+    def local_norm(t: dict) -> jax.Array:
+        leaves = jax.tree.leaves(t)
+        assert all(_fused.can_concatenate(x) for x in leaves)
+        groups, buckets, alone = _fused._plan(leaves)
+        assert groups == [] and buckets == [[0, 1]] and alone == []
+        return clipax.tree.global_norm(t)[None, None]
+
+    f = jax.jit(
+        jax.shard_map(local_norm, mesh=mesh, in_specs=(specs,), out_specs=P("a", "b"))
+    )
+    hlo = f.lower(tree).compile().as_text()
+    assert collectives(hlo) == []
+    norms = np.asarray(f(tree))
+    x, y = np.arange(64.0).reshape(8, 8), np.arange(16.0)
+    for i in range(2):
+        for j in range(4):
+            block = np.concatenate(
+                [x[4 * i : 4 * i + 4, 2 * j : 2 * j + 2].ravel(), y[4 * j : 4 * j + 4]]
+            )
+            np.testing.assert_allclose(norms[i, j], np.linalg.norm(block), **TOL)
+
+
+@pytest.mark.parametrize("op", ["global", "per-leaf"])
+def test_bfloat16_leaves_are_not_copied_to_float32(op: str) -> None:
+    """The float32 upcast for the norm is fused, never written out whole.
+
+    (On CPU, XLA's YNNPACK reduction does not fuse a float16 -> float32
+    conversion, so float16 leaves are still upcast into a temporary there.)
+    """
+    tree = {f"w{i}": jnp.ones((256, 256), jnp.bfloat16) for i in range(4)}
+
+    def f(t: dict) -> Any:
+        if op == "global":
+            return clipax.tree.clip_by_global_norm(t, 1.0)
+        return clipax.tree.clip_by_norm(t, 1.0)
+
+    compiled = jax.jit(f).lower(tree).compile()
+    nbytes = sum(x.nbytes for x in tree.values())
+    assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 4
+    clipped = compiled(tree)[0] if op == "global" else compiled(tree)
+    chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
+
+
+@pytest.mark.usefixtures("small_buckets")
+@pytest.mark.parametrize("p", ORDS)
+def test_scaled_partial_sums_equal_sums_of_scaled_leaves(p: float) -> None:
+    """`scale` (for a rescaled pass) multiplies every element before the power."""
+    tree = ragged_tree(4, (jnp.float32, jnp.bfloat16, jnp.complex64))
+    leaves = [x * (1 - 2j) if jnp.iscomplexobj(x) else x for x in jax.tree.leaves(tree)]
+    dtype = _common.tree_accum_dtype(leaves)
+    scale = jnp.float32(2.0**-40)
+    scaled = [
+        np.asarray(x).astype(np.complex64 if jnp.iscomplexobj(x) else np.float32)
+        * np.float32(2.0**-40)
+        for x in leaves
+    ]
+    got = _fused.total(_fused.partial_sums(leaves, p, dtype, scale=scale), p)
+    chex.assert_trees_all_close(got, per_leaf_total(scaled, p, dtype), **TOL)
