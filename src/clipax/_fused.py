@@ -182,8 +182,8 @@ def scaled_pair(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
     return pair
 
 
-# The companion of a maximum's barrier, where a sum of the same leaf is taken
-# in the same computation (per-slice norms).
+# A companion that makes a barrier distinct from another over the same leaf,
+# where several reductions of one leaf share a computation (per-slice norms).
 MAX_PASS = np.zeros((), np.int8)
 
 

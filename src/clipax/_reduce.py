@@ -272,6 +272,41 @@ def global_norm(
 # Per-leaf (per-slice) norms.
 
 
+# Per-slice norms are taken in one pass with three accumulators: the squares of
+# x, of x * 2**-SHIFT (for sums that overflow) and of x * 2**SHIFT (for sums that
+# underflow); XLA fuses the three sibling reductions into one read of x. Many
+# small leaves then compile without the branch a second pass would need.
+SHIFT = 80
+
+
+def _three_sums(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """Sums of |x|**2, |x 2**-SHIFT|**2 and |x 2**SHIFT|**2 over `axes`, stacked.
+
+    The result has a new leading axis of 3 and keeps `axes` as size-1 dims.
+    """
+    acc = _common.accum_dtype(x.dtype)
+    sums = [_common.power_sum(_fused.opaque_if_narrow(x), 2.0, axes)]
+    for shift in (-SHIFT, SHIFT):
+        # Each scaled sum takes the leaf through a barrier of its own with its
+        # scale (see `_fused.scaled_pair`): a narrow leaf's float32 upcast is
+        # then fused into each reduction, never written out.
+        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
+        sums.append(_common.power_sum(_upcast(leaf) * scale, 2.0, axes))
+    return jnp.stack(sums)
+
+
+def _norm_in_range(sums: jax.Array) -> jax.Array:
+    """The L2 norm from the three sums: the one that neither overflowed nor
+    underflowed, scaled back (exact: the scales are powers of two)."""
+    plain, down, up = sums[0], sums[1], sums[2]
+    floor = _trust_floor(plain.dtype)
+    norm = _common.safe_root(plain, 2.0)
+    norm = jnp.where(
+        jnp.isposinf(plain), _common.safe_root(down, 2.0) * 2.0**SHIFT, norm
+    )
+    return jnp.where(plain < floor, _common.safe_root(up, 2.0) * 2.0**-SHIFT, norm)
+
+
 def slice_norms(
     leaves: list[jax.Array],
     leaf_axes: list[tuple[int, ...]],
@@ -279,8 +314,9 @@ def slice_norms(
 ) -> list[jax.Array]:
     """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims).
 
-    Exact for every finite input. With `placements`, the reductions over
-    sharded dimensions are completed across devices.
+    Exact for every finite input, in one pass over each leaf and with no
+    branch. With `placements`, the sums over sharded dimensions are completed
+    across devices (one psum per axis set).
     """
     if not leaves:
         return []
@@ -290,49 +326,9 @@ def slice_norms(
         pairs = zip(placements, leaf_axes, strict=True)
         groups = [reduced_mesh_axes(e, a) for e, a in pairs]
         buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-
-    def reduce(p: float, op: Callable[..., jax.Array]) -> list[jax.Array]:
-        pairs = zip(leaves, leaf_axes, strict=True)
-        marks = (_fused.MAX_PASS,) if p == math.inf else ()  # separate passes
-        partials = [
-            _common.power_sum(_fused.opaque_if_narrow(x, *marks), p, a)
-            for x, a in pairs
-        ]
-        return _collective(partials, groups, op, buckets)
-
-    sums = reduce(2.0, jax.lax.psum)
-    peaks = reduce(math.inf, jax.lax.pmax)
-    untrusted = jnp.zeros((), bool)
-    for s, m in zip(sums, peaks, strict=True):
-        floor = _trust_floor(s.dtype)
-        bad = (jnp.isposinf(s) & jnp.isfinite(m)) | ((s < floor) & (m > 0))
-        untrusted = untrusted | jnp.any(bad)
-    # Every device must take the same branch: the rescaled one has collectives.
-    untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), groups) > 0
-
-    def fast() -> list[jax.Array]:
-        return [_common.safe_root(s, 2.0) for s in sums]
-
-    def rescaled() -> list[jax.Array]:
-        inverses = [_power_of_two_scale(m) for m in peaks]
-        pairs = [
-            _fused.scaled_pair(x, inv) for x, inv in zip(leaves, inverses, strict=True)
-        ]
-        scaled = _collective(
-            [
-                _common.power_sum(_upcast(x) * inv, 2.0, a)
-                for (x, inv), a in zip(pairs, leaf_axes, strict=True)
-            ],
-            groups,
-            jax.lax.psum,
-            buckets,
-        )
-        return [
-            _finish(s, m, inv, 2.0)
-            for s, m, inv in zip(scaled, peaks, inverses, strict=True)
-        ]
-
-    return _branch(untrusted, rescaled, fast)
+    sums = [_three_sums(x, a) for x, a in zip(leaves, leaf_axes, strict=True)]
+    sums = _collective(sums, groups, jax.lax.psum, buckets)
+    return [_norm_in_range(s) for s in sums]
 
 
 def leaf_peak_norms(
