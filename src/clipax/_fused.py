@@ -146,7 +146,7 @@ def _concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def opaque_if_narrow(x: jax.Array, *companions: Any) -> jax.Array:
+def opaque_if_narrow(x: jax.Array) -> jax.Array:
     """`x`, hidden from common-subexpression elimination when it is upcast.
 
     A float16 or bfloat16 leaf is converted to float32 both here (for its
@@ -154,17 +154,11 @@ def opaque_if_narrow(x: jax.Array, *companions: Any) -> jax.Array:
     conversions and writes the whole tree out in float32, one more write and
     read of twice the gradients' bytes (and as much temporary memory). An
     optimization barrier, which copies nothing, keeps the conversions apart,
-    so each is fused into its own consumer.
-
-    Two barriers over the same operands are themselves merged: a pass that
-    reads a leaf again (its maximum beside its sum, or a rescaled sum) passes
-    `companions`, other small values that go through its barrier with `x`
-    (the rescaled pass, its scale) and keep the barrier its own.
+    so each is fused into its own consumer. A second pass over the same leaf
+    takes it through a barrier of its own (`scaled_pair`).
     """
     if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
-        if not companions:
-            return jax.lax.optimization_barrier(x)
-        return jax.lax.optimization_barrier((x, *companions))[0]
+        return jax.lax.optimization_barrier(x)
     return x
 
 
@@ -180,11 +174,6 @@ def scaled_pair(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
         (x, jnp.asarray(scale))
     )
     return pair
-
-
-# A companion that makes a barrier distinct from another over the same leaf,
-# where several reductions of one leaf share a computation (per-slice norms).
-MAX_PASS = np.zeros((), np.int8)
 
 
 def partial_sums(
