@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -182,3 +185,32 @@ def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
         out, state = jax.block_until_ready(pstep(per_device, state))
         pmapped.append(jax.tree.map(lambda x: x[0], out))
     return single, sharded, pmapped
+
+
+def run_script(
+    script: pathlib.Path, *args: str, cwd: pathlib.Path | None = None, **env: str | None
+) -> str:
+    """Runs `script` with this interpreter; asserts exit 0 and returns stdout.
+
+    `env` entries override the environment; None removes a variable.
+    """
+    environment = dict(os.environ)
+    for key, value in env.items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = value
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, (
+        f"{script.name} exited with {result.returncode}\n"
+        f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    )
+    return result.stdout

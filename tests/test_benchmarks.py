@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
+
+from tests import helpers
 
 SCRIPT = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_clipping.py"
 TREES = [
@@ -20,20 +20,14 @@ OPS = ["clip_by_global_norm", "clip_by_norm", "clip"]
 
 
 def test_quick_run_prints_every_row() -> None:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the benchmark runs on one device, as users do
     src = str(SCRIPT.parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    stdout = helpers.run_script(
+        SCRIPT,
+        "--quick",
+        XLA_FLAGS=None,  # the benchmark runs on one device, as users do
+        PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    lines = stdout.splitlines()
     assert lines[0].startswith("clipax vs optax: jax ")
     for tree in TREES:
         for op in OPS:
@@ -43,7 +37,7 @@ def test_quick_run_prints_every_row() -> None:
             assert len(cells) == 13
             numbers = [float(c) for c in cells[2:]]
             assert all(n >= 0 for n in numbers), row
-    assert "### In a chain with adam (median ms)" in result.stdout
+    assert "### In a chain with adam (median ms)" in stdout
     for i, tree in enumerate(TREES):
         rows = [line for line in lines if line.startswith(f"| {tree} | ")]
         in_chain = 1 if i < 2 else 0  # --quick chains adam with the first two trees

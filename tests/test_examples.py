@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import helpers
 
 # The scripts need the `examples` extra; without it (`pip install -e ".[test]"`)
 # these tests are skipped, with the reason shown.
@@ -32,20 +31,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
     """Runs `examples/<name>` in `cwd` with this interpreter; returns stdout."""
-    env = dict(os.environ, MPLBACKEND="Agg")
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, (
-        f"{name} exited with {result.returncode}\n"
-        f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    )
-    return result.stdout
+    return helpers.run_script(EXAMPLES / name, *args, cwd=cwd, MPLBACKEND="Agg")
 
 
 def assert_png(path: Path) -> None:
