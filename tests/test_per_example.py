@@ -197,6 +197,7 @@ def test_rejects_bad_clip(clip):
         clipax.tree.per_example_layer_norm_clip(grads, clip)
 
 
+@pytest.mark.devices(8)
 def test_batch_sharded_across_devices_gives_the_same_numbers():
     grads = per_example_tree(4, batch=16)
     sharded = shard_rows(grads)

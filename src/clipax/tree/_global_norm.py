@@ -210,6 +210,7 @@ def clip_with_norm(
     nonfinite: str,
 ) -> tuple[chex.ArrayTree, jax.Array, jax.Array]:
     """`clip_by_global_norm`, also returning whether the norm was finite."""
+    tree = _common.as_arrays(tree)
     _common.check_max_norm("max_norm", max_norm)
     _common.check_use_norm(use_norm)
     check_nonfinite(nonfinite)
