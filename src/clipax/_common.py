@@ -363,7 +363,8 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
     the norm is NaN or inf; 0 for a nonzero norm when a traced `max_norm` is
     <= 0. Differentiable everywhere with finite gradients. A factor below the
     smallest normal float (1.2e-38 in float32: `max_norm` under 1e-38 times the
-    norm) is flushed to 0 by XLA's CPU and GPU backends.
+    norm) is flushed to 0 by XLA's CPU backend; XLA's GPU backend keeps such
+    subnormal factors.
     """
     threshold = jnp.asarray(max_norm).astype(norm.dtype)
     over = norm > threshold

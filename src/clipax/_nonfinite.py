@@ -41,6 +41,9 @@ class NonFiniteError(FloatingPointError):
     """
 
 
+NonFiniteError.__module__ = "clipax"  # as users name it: clipax.NonFiniteError
+
+
 class _DropNonFiniteLogs(logging.Filter):
     """Drops JAX's log record of a callback that raised a `NonFiniteError`.
 
