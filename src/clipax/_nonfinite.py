@@ -38,6 +38,17 @@ class NonFiniteError(FloatingPointError):
     `clipax.nonfinite_errors` to receive it (JAX itself raises it as a
     `jax.errors.JaxRuntimeError`). The message names the first leaf, by its
     path, that holds NaN or inf.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> try:
+      ...     clipax.tree.clip_by_global_norm(
+      ...         {"b": jnp.array([jnp.nan])}, 1.0, nonfinite="error"
+      ...     )
+      ... except FloatingPointError as error:
+      ...     print(isinstance(error, clipax.NonFiniteError), "['b']" in str(error))
+      True True
     """
 
 

@@ -165,9 +165,14 @@ def clip_by_global_norm(
         NaN; `"zero"` every output zero (the rest of a chain sees a zero
         gradient, so momentum still decays; to leave the optimizer state as it
         was, wrap the chain in `optax.apply_if_finite`); `"error"` the program
-        stops with an error naming the first leaf, by path, that holds NaN or
-        inf. `"error"` works under `jax.jit` through `jax.debug.callback`, the
-        one place where clipax calls back to the host, and only when asked to.
+        stops with `clipax.NonFiniteError` (a `FloatingPointError`) naming the
+        first leaf, by path, that holds NaN or inf. Under `jax.jit` the check
+        runs through `jax.debug.callback` on every device (the one place where
+        clipax calls back to the host, and only when asked to), and JAX stops
+        the program with a `jax.errors.JaxRuntimeError`: wrap the jitted step in
+        `clipax.nonfinite_errors` to receive the `NonFiniteError`. It needs
+        JAX's CPU backend for the callback; without one, `"error"` is a
+        `ValueError` when given.
 
     Returns:
       `(clipped_tree, norm)`, `norm` being the pre-clip global norm (float32, or
@@ -177,9 +182,10 @@ def clip_by_global_norm(
       ValueError: if `max_norm`, `use_norm`, `ord`, `axis_name`, `specs` or
         `nonfinite` is not accepted.
       TypeError: if a leaf is not a floating-point or complex array.
-      FloatingPointError: with `nonfinite="error"`, for a NaN or inf norm, when
-        called eagerly; under `jax.jit`, JAX raises it as a
-        `jax.errors.JaxRuntimeError` whose message ends with this error's.
+      clipax.NonFiniteError: (a `FloatingPointError`) with `nonfinite="error"`,
+        for a NaN or inf norm, when called eagerly; under `jax.jit`, JAX raises
+        it as a `jax.errors.JaxRuntimeError` whose message ends with this
+        error's, which `clipax.nonfinite_errors` turns back into it.
 
     Example:
       >>> import jax.numpy as jnp
