@@ -105,7 +105,7 @@ def test_vmap_computed_gradients_of_a_model():
     jax.default_backend() != "cpu",
     reason="measured on XLA's CPU backend only: on an H100, XLA's GPU compiler "
     "made 1,050,624 temporary bytes here (one float32 copy of the [256, 1024] "
-    "leaf); see docs/semantics.md, per-example clipping",
+    "leaf); see docs/semantics.md, Per-example clipping: memory",
 )
 def test_no_copy_of_the_per_example_gradients_is_made():
     grads = {"a": jnp.ones((256, 1024)), "b": jnp.ones((256, 32, 16))}
