@@ -338,3 +338,10 @@ def test_flax_nnx_optimizer(tmp_path: Any) -> None:
         nnx.state(new_model), nnx.state(old_model), rtol=1e-5, atol=1e-6
     )
     assert float(new_opt.opt_state[0].norm[...]) > 0
+
+
+def test_a_new_state_that_is_not_arrays_is_refused() -> None:
+    old = optax.adam(0.1).init(PARAMS)
+    abstract = jax.eval_shape(optax.adam(0.1).init, PARAMS)  # ShapeDtypeStructs
+    with pytest.raises(ValueError, match=r"\[0\]\.count: .*ShapeDtypeStruct"):
+        clipax.migrate_state(old, abstract)

@@ -198,6 +198,14 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
         )
     if _is_leaf(new):
         return _leaf(old, new, where)
+    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(new)):
+        raise ValueError(
+            MISMATCH.format(
+                path=where,
+                why=f"the new state holds {_describe(new)}, which is "
+                "not an array (build it with `new_tx.init(params)`)",
+            )
+        )
     if _is_statistics(new) and (
         _is_empty(old)
         or (_is_statistics(old) and _clipax_class_of(old) is not _clipax_class_of(new))
