@@ -25,12 +25,23 @@ def pages_with_examples() -> list[Path]:
     return [p for p in sorted(DOCS.glob("*.md")) if PYCON_BLOCK.search(p.read_text())]
 
 
+def page_params() -> list:
+    """The pages, those whose examples build a mesh marked as needing devices
+    (getting-started.md uses 2 of the suite's 8 CPU devices)."""
+    return [
+        pytest.param(p, marks=pytest.mark.devices(2), id=p.name)
+        if "jax.make_mesh(" in p.read_text()
+        else pytest.param(p, id=p.name)
+        for p in pages_with_examples()
+    ]
+
+
 def test_the_docs_have_examples() -> None:
     names = {p.name for p in pages_with_examples()}
     assert {"getting-started.md", "semantics.md", "porting.md"} <= names
 
 
-@pytest.mark.parametrize("page", pages_with_examples(), ids=lambda p: p.name)
+@pytest.mark.parametrize("page", page_params())
 def test_page_examples(page: Path) -> None:
     text = page.read_text()
     parser = doctest.DocTestParser()

@@ -15,6 +15,9 @@ from clipax._autoclip import autoclip as autoclip
 from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax._migrate import migrate_state as migrate_state
+from clipax._nonfinite import NonFiniteError as NonFiniteError
+from clipax._nonfinite import nonfinite_errors as nonfinite_errors
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._value import clip as clip
@@ -31,6 +34,7 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "NonFiniteError",
     "ZClipState",
     "__version__",
     "adaptive_grad_clip",
@@ -40,6 +44,8 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "migrate_state",
+    "nonfinite_errors",
     "tree",
     "zclip",
 ]
