@@ -74,7 +74,9 @@ def main(process_id: int, port: int) -> None:
 
     # shard_map: local blocks, with specs.
     tx_specs = clipax.clip_by_global_norm(1.0, specs=SPECS)
-    state_specs = clipax.ClipByGlobalNormState(norm=P(), nonfinite_count=P())
+    state_specs = clipax.ClipByGlobalNormState(
+        norm=P(), nonfinite_count=P(), threshold=P()
+    )
     step = jax.jit(
         jax.shard_map(
             lambda t: tx_specs.update(t, tx_specs.init(t)),

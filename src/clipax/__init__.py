@@ -15,6 +15,7 @@ from clipax._autoclip import autoclip as autoclip
 from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax._metrics import metrics as metrics
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._value import clip as clip
@@ -40,6 +41,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "metrics",
     "tree",
     "zclip",
 ]
