@@ -201,7 +201,9 @@ def test_a_clipax_state_class_needs_no_registration() -> None:
 
 
 def test_duplicate_keys_raise() -> None:
-    state = {"a/b": clipax.ClipByNormState(norms=jnp.asarray(1.0)),
-             "a": {"b": clipax.ClipByNormState(norms=jnp.asarray(2.0))}}
+    state = {
+        "a/b": clipax.ClipByNormState(norms=jnp.asarray(1.0)),
+        "a": {"b": clipax.ClipByNormState(norms=jnp.asarray(2.0))},
+    }
     with pytest.raises(ValueError, match="twice"):
         clipax.metrics(state)

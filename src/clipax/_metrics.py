@@ -190,9 +190,10 @@ def metrics(opt_state: PyTree) -> dict[str, jax.Array]:
     `norms`, annotated `chex.ArrayTree` in the class) one entry per leaf; a
     field named `inner_state` is walked for more clipax states. Arrays of more
     than one element (`autoclip`'s buffer) are left out: every value is a
-    scalar `jax.Array`, taken from the state as it is, so the call is jittable, cheap and never syncs with the
-    host. The dict goes straight into `wandb.log`, a TensorBoard writer or
-    `print` (there, as into any logger, after `jax.device_get`).
+    scalar `jax.Array`, taken from the state as it is, so the call is
+    jittable, cheap and never syncs with the host. The dict goes straight
+    into `wandb.log`, a TensorBoard writer or `print` (there, as into any
+    logger, after `jax.device_get`).
 
     Keys are `/`-separated paths that end with the statistic's own name:
 
