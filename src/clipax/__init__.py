@@ -18,6 +18,8 @@ from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._metrics import metrics as metrics
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
+from clipax._skip import SkipSpikesState as SkipSpikesState
+from clipax._skip import skip_spikes as skip_spikes
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
 from clipax._zclip import ZClipState as ZClipState
@@ -32,6 +34,7 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "SkipSpikesState",
     "ZClipState",
     "__version__",
     "adaptive_grad_clip",
@@ -42,6 +45,7 @@ __all__ = [
     "clip_by_norm",
     "clip_by_value",
     "metrics",
+    "skip_spikes",
     "tree",
     "zclip",
 ]
