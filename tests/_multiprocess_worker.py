@@ -1,6 +1,6 @@
 """One of two processes forming one JAX runtime (run by test_multiprocess.py).
 
-Usage: python _multiprocess_worker.py PROCESS_ID PORT
+Usage: python _multiprocess_worker.py PROCESS_ID PORT [nonfinite]
 
 Each process has 2 CPU devices; together they form a (2, 2) mesh. Clipping on
 the global arrays (GSPMD and shard_map) must give, on this process's shards,
@@ -20,7 +20,25 @@ import clipax
 SPECS = {"w": P("data", "model"), "b": P("model"), "r": P()}
 
 
-def main(process_id: int, port: int) -> None:
+def nonfinite_error(process_id: int, sharded: dict) -> None:
+    """`nonfinite="error"` raises clipax.NonFiniteError in every process."""
+    broken = dict(sharded)
+    broken["r"] = broken["r"] * np.float32(np.nan)
+    tx = clipax.clip_by_global_norm(1.0, nonfinite="error")
+    update = clipax.nonfinite_errors(jax.jit(tx.update))
+    try:
+        update(broken, tx.init(broken))
+    except FloatingPointError as error:
+        assert isinstance(error, clipax.NonFiniteError), type(error)
+        assert "the leaf at ['r'] holds NaN or inf" in str(error), str(error)
+    else:
+        raise AssertionError("no error for a NaN leaf")
+    _, state = update(sharded, tx.init(sharded))  # a finite step runs on
+    assert np.isfinite(np.asarray(state.norm.addressable_data(0)))
+    print(f"process {process_id}: OK nonfinite", flush=True)
+
+
+def main(process_id: int, port: int, mode: str = "clip") -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
@@ -44,6 +62,10 @@ def main(process_id: int, port: int) -> None:
         )
         for k, v in host.items()
     }
+    if mode == "nonfinite":
+        nonfinite_error(process_id, sharded)
+        jax.distributed.shutdown()
+        return
     # The reference: the whole arrays, on this process alone.
     expected, expected_norm = clipax.tree.clip_by_global_norm(host, 1.0)
     expected = {k: np.asarray(v) for k, v in expected.items()}
@@ -97,4 +119,4 @@ if __name__ == "__main__":
     # here: pytest imports this module when it collects doctests.
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

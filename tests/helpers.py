@@ -187,14 +187,30 @@ def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
     return single, sharded, pmapped
 
 
-def run_script(
-    script: pathlib.Path, *args: str, cwd: pathlib.Path | None = None, **env: str | None
-) -> str:
-    """Runs `script` with this interpreter; asserts exit 0 and returns stdout.
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
-    `env` entries override the environment; None removes a variable.
+
+def with_src_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the suite's own `src` first on PYTHONPATH, so that a
+    subprocess imports the clipax under test whether or not it is installed."""
+    paths = [str(SRC), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run_script(
+    script: pathlib.Path,
+    *args: str,
+    cwd: pathlib.Path | None = None,
+    with_stderr: bool = False,
+    **env: str | None,
+) -> str:
+    """Runs `script` with this interpreter; asserts exit 0 and returns stdout
+    (followed by stderr with `with_stderr`).
+
+    The suite's own `src` comes first on PYTHONPATH (`with_src_path`). `env`
+    entries override the environment; None removes a variable.
     """
-    environment = dict(os.environ)
+    environment = with_src_path(dict(os.environ))
     for key, value in env.items():
         if value is None:
             environment.pop(key, None)
@@ -213,4 +229,4 @@ def run_script(
         f"{script.name} exited with {result.returncode}\n"
         f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     )
-    return result.stdout
+    return result.stdout + result.stderr if with_stderr else result.stdout

@@ -16,6 +16,9 @@ from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._metrics import metrics as metrics
+from clipax._migrate import migrate_state as migrate_state
+from clipax._nonfinite import NonFiniteError as NonFiniteError
+from clipax._nonfinite import nonfinite_errors as nonfinite_errors
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._skip import SkipSpikesState as SkipSpikesState
@@ -34,6 +37,7 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "NonFiniteError",
     "SkipSpikesState",
     "ZClipState",
     "__version__",
@@ -45,6 +49,8 @@ __all__ = [
     "clip_by_norm",
     "clip_by_value",
     "metrics",
+    "migrate_state",
+    "nonfinite_errors",
     "skip_spikes",
     "tree",
     "zclip",

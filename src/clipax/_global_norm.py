@@ -15,7 +15,17 @@ from clipax.tree import _global_norm
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of `clip_by_global_norm`: the norm it saw last, for logging."""
+    """State of `clip_by_global_norm`: the norm it saw last, for logging.
+
+    `norm` is the pre-clip global norm of the last update this transformation
+    saw. Inside `optax.MultiSteps` that is the norm of the accumulated mean
+    gradient at each k-th micro-step (between them, the last value); inside
+    `optax.masked`, of the masked-in leaves; inside `optax.apply_if_finite`, of
+    the last finite step. `optax.tree.get(opt_state, "norm")` finds it through
+    these wrappers and `optax.inject_hyperparams`; with one clip per group
+    (`optax.partition`), `optax.tree.get_all_with_path(opt_state, "norm")`
+    lists each group's.
+    """
 
     norm: jax.Array  # float32 scalar (float64 for float64 updates): pre-clip norm
     nonfinite_count: jax.Array  # int32 scalar: updates whose norm was NaN or inf
