@@ -55,9 +55,13 @@ def _check_real(name: str, value: Any, low: float, high: float, accepted: str) -
 def _check_int(name: str, value: Any) -> None:
     if _common.is_traced(value):
         return
-    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
-        if jnp.issubdtype(value.dtype, jnp.integer):  # e.g. inject_hyperparams
-            value = int(value)
+    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    )
+    if integer_array:
+        value = int(value)
     valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not valid or value < 1:
         raise ValueError(f"`{name}` must be {INT_ACCEPTED}; got {value!r}.")
