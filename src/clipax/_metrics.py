@@ -72,13 +72,6 @@ def _unwrap(node: Any) -> Any:
     return node.get_value() if _is_nnx_variable(node) else node
 
 
-def _segment(key: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _children(node: Any) -> list[tuple[Any, Any]]:
     """`node`'s direct children as (key, child): one level of the pytree."""
     flat, _ = jax.tree_util.tree_flatten_with_path(
@@ -104,7 +97,7 @@ def _leaf_stats(field: str, value: Any) -> dict[str, jax.Array]:
         scalar = _scalar(leaf)
         if scalar is None:
             continue
-        where = SEPARATOR.join(_segment(k) for k in path) or "root"
+        where = SEPARATOR.join(_common.path_segments(path)) or "root"
         out[f"{where}{SEPARATOR}{stat}"] = scalar
     return out
 
@@ -171,7 +164,7 @@ def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
     fields = getattr(cls, "_fields", None) if isinstance(node, tuple) else None
     label = _WRAPPER_LABELS.get(cls.__name__, _snake(_base_name(cls)))
     for key, child in _children(node):
-        segment = _segment(key)
+        segment = _common.path_segments((key,))[0]
         if fields is not None:  # a NamedTuple: a wrapper's inner state(s)
             segment = label if segment.startswith("inner") else segment
         _walk(child, _join(prefix, segment), out)
