@@ -266,13 +266,22 @@ def skip_spikes(
         accept = ~skip
 
         inner_extra = extra_args if loss is None else {**extra_args, "loss": loss}
-        new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **inner_extra
-        )
-        out = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
-        inner_state = jax.tree.map(
-            lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
-        )
+
+        def take(_: Any) -> tuple[optax.Updates, optax.OptState]:
+            return inner.update(updates, state.inner_state, params, **inner_extra)
+
+        def drop(_: Any) -> tuple[optax.Updates, optax.OptState]:
+            # Zeros of the inner updates' types, also their varying mesh axes
+            # inside shard_map (jnp.zeros of their shape would have none).
+            new, _ = take(None)
+            zero = jax.tree.map(
+                lambda u: jnp.where(True, jnp.zeros((), u.dtype), u), new
+            )
+            return zero, state.inner_state
+
+        # A branch, not a select: a taken step costs what the inner step costs
+        # (as in optax.apply_if_finite), not a select over its whole state.
+        out, inner_state = jax.lax.cond(skip, drop, take, None)
 
         mean, variance = _moments(norm, n, state.norm_mean, state.norm_variance, alpha)
         loss_fields = {
