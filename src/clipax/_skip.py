@@ -267,21 +267,20 @@ def skip_spikes(
 
         inner_extra = extra_args if loss is None else {**extra_args, "loss": loss}
 
-        def take(_: Any) -> tuple[optax.Updates, optax.OptState]:
-            return inner.update(updates, state.inner_state, params, **inner_extra)
-
-        def drop(_: Any) -> tuple[optax.Updates, optax.OptState]:
-            # Zeros of the inner updates' types, also their varying mesh axes
-            # inside shard_map (jnp.zeros of their shape would have none).
-            new, _ = take(None)
-            zero = jax.tree.map(
-                lambda u: jnp.where(True, jnp.zeros((), u.dtype), u), new
-            )
-            return zero, state.inner_state
-
-        # A branch, not a select: a taken step costs what the inner step costs
-        # (as in optax.apply_if_finite), not a select over its whole state.
-        out, inner_state = jax.lax.cond(skip, drop, take, None)
+        new_updates, new_inner = inner.update(
+            updates, state.inner_state, params, **inner_extra
+        )
+        # Selects, not a lax.cond: XLA fuses each into the elementwise work
+        # that made its new value (Adam's moments, apply_updates), so a taken
+        # step costs what the inner step costs, and the step compiles the inner
+        # transformation once (a cond's second branch would compile it again,
+        # to give zeros of its output types, varying mesh axes included).
+        out = jax.tree.map(
+            lambda u: jnp.where(skip, jnp.zeros((), u.dtype), u), new_updates
+        )
+        inner_state = jax.tree.map(
+            lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
+        )
 
         mean, variance = _moments(norm, n, state.norm_mean, state.norm_variance, alpha)
         loss_fields = {
