@@ -192,7 +192,8 @@ def metrics(opt_state: PyTree) -> dict[str, jax.Array]:
 
     - where the state sits: a chain entry's index (`0/`), a `named_chain` or
       `partition` name (`clip/`), `multi_steps/`, `inject_hyperparams/`,
-      `masked/`, `apply_if_finite/` for those wrappers' inner states, and the
+      `masked/`, `apply_if_finite/` for those wrappers' inner states
+      (`optax.partition` masks each group: `partition/<group>/masked/`), and the
       state's own transformation, named as its factory (`clip_by_global_norm/`,
       `zclip/`, `skip_spikes/`; a wrapping clipax transformation's inner
       states follow its name);
