@@ -12,6 +12,7 @@ import sys
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -96,7 +97,9 @@ def main(process_id: int, port: int, mode: str = "clip") -> None:
 
     # shard_map: local blocks, with specs.
     tx_specs = clipax.clip_by_global_norm(1.0, specs=SPECS)
-    state_specs = clipax.ClipByGlobalNormState(norm=P(), nonfinite_count=P())
+    state_specs = clipax.ClipByGlobalNormState(
+        norm=P(), nonfinite_count=P(), threshold=P()
+    )
     step = jax.jit(
         jax.shard_map(
             lambda t: tx_specs.update(t, tx_specs.init(t)),
@@ -108,8 +111,44 @@ def main(process_id: int, port: int, mode: str = "clip") -> None:
     updates, state = step(sharded)
     check_shards(updates, "transformation in shard_map")
     check_norm(state.norm, "logged norm in shard_map")
+    skips = check_skip_spikes(mesh, sharded)
+    print(f"process {process_id}: skips={skips}", flush=True)
     print(f"process {process_id}: OK norm={float(expected_norm):.6f}", flush=True)
     jax.distributed.shutdown()
+
+
+def check_skip_spikes(mesh: jax.sharding.Mesh, sharded: dict) -> str:
+    """skip_spikes under GSPMD and in shard_map: the same decisions, the same
+    on every local device, as on one process; returns them as a string."""
+    scales = [1.0, 1.1, 0.9, 1.05, 40.0, 1.0]
+    expected = [False, False, False, False, True, False]
+    scale = jax.jit(lambda t, s: jax.tree.map(lambda x: x * s, t))
+    gspmd = clipax.skip_spikes(optax.sgd(1.0), warmup_steps=3)
+    in_map = clipax.skip_spikes(optax.sgd(1.0), warmup_steps=3, specs=SPECS)
+    state_specs = jax.tree.map(lambda _: P(), gspmd.init(sharded))
+    map_step = jax.jit(
+        jax.shard_map(
+            in_map.update,
+            mesh=mesh,
+            in_specs=(SPECS, state_specs),
+            out_specs=(SPECS, state_specs),
+        )
+    )
+    replicated = NamedSharding(mesh, P())
+    states = [jax.jit(gspmd.init, out_shardings=replicated)(sharded)] * 2
+    decisions = []
+    for s in scales:
+        grads = scale(sharded, np.float32(s))
+        _, states[0] = jax.jit(gspmd.update)(grads, states[0])
+        _, states[1] = map_step(grads, states[1])
+        for state in states:
+            local = {bool(x.data) for x in state.skipped.addressable_shards}
+            assert len(local) == 1, f"devices disagree: {local}"
+        got = [bool(state.skipped.addressable_data(0)) for state in states]
+        assert got[0] == got[1], f"GSPMD and shard_map disagree at scale {s}"
+        decisions.append(got[0])
+    assert decisions == expected, decisions
+    return "".join("S" if d else "." for d in decisions)
 
 
 if __name__ == "__main__":

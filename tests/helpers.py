@@ -153,15 +153,16 @@ def run_updates(tx: Any, trees: list) -> tuple[list, list]:
     return outputs, states
 
 
-def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
+def sharded_and_pmap_runs(make_tx: Any, spike_at: int = 50) -> tuple[list, list, list]:
     """Runs `make_tx()` over a spike sequence three ways, returns the outputs:
     on one device, on row-sharded arrays under jit, and under pmap after a
-    pmean of per-device gradients whose mean is the same."""
+    pmean of per-device gradients whose mean is the same. The 40 steps hold
+    the spike of `spike_norms` when `spike_at` < 40."""
     rng = np.random.default_rng(0)
     direction = {"w": rng.standard_normal((8, 3)), "b": rng.standard_normal(3)}
     trees = [
         jax.tree.map(lambda d, n=n: np.asarray(d * n, np.float32), direction)
-        for n in spike_norms(40)
+        for n in spike_norms(40, spike_at=spike_at)
     ]
     tx = make_tx()
     single, _ = run_updates(tx, trees)

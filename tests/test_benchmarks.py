@@ -42,3 +42,23 @@ def test_quick_run_prints_every_row() -> None:
         rows = [line for line in lines if line.startswith(f"| {tree} | ")]
         in_chain = 1 if i < 2 else 0  # --quick chains adam with the first two trees
         assert len(rows) == 1 + len(OPS) + in_chain, (tree, rows)
+
+
+SKIP_SCRIPT = SCRIPT.with_name("bench_skip.py")
+
+
+def test_skip_benchmark_quick_run_prints_its_row() -> None:
+    src = str(SKIP_SCRIPT.parents[1] / "src")
+    stdout = helpers.run_script(
+        SKIP_SCRIPT,
+        "--quick",
+        XLA_FLAGS=None,
+        PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+    )
+    lines = stdout.splitlines()
+    assert lines[0].startswith("skip_spikes vs apply_if_finite: jax ")
+    row = [line for line in lines if line.startswith("| gpt2-tiny f32 |")]
+    assert len(row) == 1, stdout
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert len(cells) == 8
+    assert all(float(c) > 0 for c in cells[2:]), row

@@ -60,6 +60,13 @@ def test_two_processes_clip_like_one() -> None:
         if ": OK norm=" in line
     }
     assert len(norms) == 1, norms
+    skips = {
+        line.split("skips=")[1]
+        for out in outputs
+        for line in out.splitlines()
+        if ": skips=" in line
+    }
+    assert skips == {"....S."}, skips  # skip_spikes decided alike everywhere
 
 
 def test_nonfinite_error_is_raised_in_both_processes_with_no_noise() -> None:

@@ -98,7 +98,9 @@ def test_transformation_in_shard_map_equals_one_device(
     def step(t: Any) -> Any:
         return tx.update(t, tx.init(t))
 
-    state_specs = clipax.ClipByGlobalNormState(norm=P(), nonfinite_count=P())
+    state_specs = clipax.ClipByGlobalNormState(
+        norm=P(), nonfinite_count=P(), threshold=P()
+    )
     updates, state = _shard_map(mesh, step, (SPECS, state_specs))(_shard(mesh, host))
     chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)

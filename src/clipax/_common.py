@@ -50,6 +50,19 @@ def as_arrays(tree: PyTree) -> PyTree:
     return jax.tree.map(as_array, tree)
 
 
+def path_segments(path: KeyPath) -> list[str]:
+    """A key path as strings: dict keys, attribute names, sequence indices."""
+    out = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                out.append(str(getattr(key, attr)))
+                break
+        else:
+            out.append(str(key))
+    return out
+
+
 def leaves_with_paths(tree: PyTree) -> list[tuple[KeyPath, Any]]:
     """The (path, leaf) pairs of `tree`, Python numbers as 0-d arrays; None and
     MaskedNode contribute none."""

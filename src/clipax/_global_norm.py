@@ -29,6 +29,8 @@ class ClipByGlobalNormState(NamedTuple):
 
     norm: jax.Array  # float32 scalar (float64 for float64 updates): pre-clip norm
     nonfinite_count: jax.Array  # int32 scalar: updates whose norm was NaN or inf
+    threshold: jax.Array  # scalar, `norm`'s dtype: the `max_norm` of the last
+    # update (inf before any), so `clipax.metrics` can tell whether it clipped
 
 
 def clip_by_global_norm(
@@ -100,7 +102,9 @@ def clip_by_global_norm(
         flat = _common.check_norm_leaves(params, "clip_by_global_norm")
         dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
         return ClipByGlobalNormState(
-            norm=jnp.zeros((), dtype), nonfinite_count=jnp.zeros((), jnp.int32)
+            norm=jnp.zeros((), dtype),
+            nonfinite_count=jnp.zeros((), jnp.int32),
+            threshold=jnp.full((), jnp.inf, dtype),
         )
 
     def update_fn(
@@ -113,8 +117,11 @@ def clip_by_global_norm(
             updates, max_norm, None, p, axis_name, specs, nonfinite
         )
         count = state.nonfinite_count + jnp.where(finite, 0, 1).astype(jnp.int32)
+        dtype = state.norm.dtype
         new_state = ClipByGlobalNormState(
-            norm=norm.astype(state.norm.dtype), nonfinite_count=count
+            norm=norm.astype(dtype),
+            nonfinite_count=count,
+            threshold=jnp.asarray(max_norm).astype(dtype),
         )
         return clipped, new_state
 
