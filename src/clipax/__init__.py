@@ -1,8 +1,8 @@
 """clipax: gradient clipping for JAX.
 
 Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
-ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations and as
-pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
+ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations
+and as pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
 sharding-ready, with the pre-clip norm and the clipping statistics in opt_state.
 """
 

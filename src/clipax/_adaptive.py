@@ -246,3 +246,37 @@ def transformation(
 
 
 _SHARED_FIELDS = ("count", "norm", "threshold", "norms", "thresholds")
+
+
+def stateless(
+    fn_name: str,
+    clip: Callable[[optax.Updates, optax.Params | None], optax.Updates],
+    check_leaf: Callable[[_common.KeyPath, Any], None] | None = None,
+) -> optax.GradientTransformation:
+    """A transformation with `optax.EmptyState` whose update is `clip`.
+
+    For the rules with no statistics (AGC, block RMS): their threshold is a
+    function of each unit alone. `init` checks that every leaf of the params
+    can have a norm, and `check_leaf(path, leaf)` if given.
+    """
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        for path, leaf in _common.check_norm_leaves(params, fn_name):
+            if check_leaf is not None:
+                check_leaf(path, leaf)
+        return optax.EmptyState()
+
+    def update_fn(
+        updates: optax.Updates,
+        state: optax.EmptyState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        return clip(updates, params), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def unit_norms(leaves: list[jax.Array], axes: list[tuple[int, ...]]) -> list[jax.Array]:
+    """Each leaf's exact L2 norms over its `axes` (kept as size-1 dims), in
+    float32 or wider, from the engine."""
+    return _reduce.slice_norms(leaves, axes) if leaves else []
