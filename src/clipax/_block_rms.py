@@ -34,9 +34,9 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
     clipax's rules: the RMS is the leaf's exact norm (clipax's engine, float32,
     float64 for float64 leaves) over `sqrt(size)`, and each leaf keeps its
     dtype; a leaf whose RMS is NaN or inf comes back all NaN; a leaf of size 0,
-    None and `optax.MaskedNode` come back as they are. It is the per-leaf rule of `clipax.clip_by_norm` with
-    the threshold scaled by `sqrt(size)`, so large and small leaves are held to
-    the same per-entry size.
+    None and `optax.MaskedNode` come back as they are. It is the per-leaf rule
+    of `clipax.clip_by_norm` with the threshold scaled by `sqrt(size)`, so large
+    and small leaves are held to the same per-entry size.
 
     Args:
       threshold: the largest RMS allowed for each leaf: a positive scalar,
