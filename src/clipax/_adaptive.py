@@ -95,18 +95,18 @@ def check_positive(name: str, value: Any) -> None:
 
 
 def combined_norm(norms: jax.Array) -> jax.Array:
-    """The L2 norm of a vector of norms (the global norm of their leaves).
+    """The L2 norm of norms along axis 0 (the global norm of their leaves).
 
     Scaled by the largest entry, so it neither overflows nor underflows where
     the entries do not; NaN if an entry is NaN, else inf if one is inf.
     """
-    if norms.size == 0:
-        return jnp.zeros((), norms.dtype)
-    peak = jnp.max(norms)
+    if norms.shape[0] == 0:
+        return jnp.zeros(norms.shape[1:], norms.dtype)
+    peak = jnp.max(norms, axis=0)
     usable = jnp.isfinite(peak) & (peak > 0)
     unit = jnp.where(usable, peak, jnp.ones_like(peak))
-    total = unit * jnp.sqrt(jnp.sum(jnp.square(norms / unit)))
-    return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms))
+    total = unit * jnp.sqrt(jnp.sum(jnp.square(norms / unit), axis=0))
+    return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
 
 
 def clip_factor(norm: jax.Array, threshold: jax.Array) -> jax.Array:
