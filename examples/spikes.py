@@ -253,30 +253,23 @@ def plot(runs: dict[str, dict[str, np.ndarray]], schedule: dict[int, str]) -> No
         ax = fig.add_subplot(grid[1 + i // columns, i % columns], sharex=top)
         run = runs[name]
         ax.plot(run["norm"], color="0.55", lw=1, label="pre-clip norm")
-        clipped = np.flatnonzero(run["clipped"])
-        if clipped.size:
-            ax.plot(
-                clipped,
-                np.full(clipped.size, 0.02),
-                "|",
-                color=COLORS[name],
-                ms=5,
-                transform=ax.get_xaxis_transform(),
-                label="clipped",
-            )
         if np.isfinite(run["threshold"]).any():
             ax.plot(run["threshold"], color=COLORS[name], lw=1.5, label="threshold")
-        skipped = np.flatnonzero(run["skipped"])
-        if skipped.size:
-            ax.plot(
-                skipped,
-                np.full(skipped.size, 0.05),
-                "v",
-                color="black",
-                ms=6,
-                transform=ax.get_xaxis_transform(),
-                label="skipped",
-            )
+        for key, y, marker, color in (
+            ("clipped", 0.02, "|", COLORS[name]),
+            ("skipped", 0.06, "v", "black"),
+        ):
+            where = np.flatnonzero(run[key])
+            if where.size:  # ticks along the bottom of the panel
+                ax.plot(
+                    where,
+                    np.full(where.size, y),
+                    marker,
+                    color=color,
+                    ms=6,
+                    transform=ax.get_xaxis_transform(),
+                    label=key,
+                )
         mark(ax, labels=False)
         ax.set(yscale="log")
         ax.set_title(

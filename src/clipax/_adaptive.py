@@ -266,14 +266,7 @@ def stateless(
                 check_leaf(path, leaf)
         return optax.EmptyState()
 
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.EmptyState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
-        return clip(updates, params), state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, optax.stateless(clip).update)
 
 
 def unit_norms(leaves: list[jax.Array], axes: list[tuple[int, ...]]) -> list[jax.Array]:

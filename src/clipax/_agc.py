@@ -166,8 +166,7 @@ def adaptive_grad_clip(
             clip_leaf, updates, params, is_leaf=_is_empty
         )
 
-    return _adaptive.stateless(
-        "adaptive_grad_clip",
-        clip,
-        lambda path, leaf: unit_axes(axes, path, leaf.shape) and None,
-    )
+    def check_leaf(path: _common.KeyPath, leaf: Any) -> None:
+        unit_axes(axes, path, leaf.shape)
+
+    return _adaptive.stateless("adaptive_grad_clip", clip, check_leaf)
