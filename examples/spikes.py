@@ -53,6 +53,7 @@ MAX_NORM = 2.0  # the fixed threshold; also AdaGC's warm-up threshold
 GLOBAL_FACTOR = 100.0
 LOCAL_FACTOR = 1000.0
 LOCAL_LEAF = ("params", "Dense_0", "kernel")  # the tensor of the local spike
+OTHER_LEAF = ("params", "Dense_2", "kernel")  # a tensor the local spike spares
 COLORS = {
     "no clipping": "tab:gray",
     "fixed": "tab:blue",
@@ -113,7 +114,8 @@ KINDS = {"global": 1, "local": 2, "nan": 3}
 def read_state(opt_state: Any, raw_norm: jax.Array) -> dict[str, jax.Array]:
     """What the figure shows, read from the optimizer state: the pre-clip
     global norm, the threshold as a global norm (NaN where the rule has none),
-    whether the step was clipped (any tensor, for AdaGC) and skipped."""
+    whether the step was clipped (any tensor, for AdaGC) and skipped, and the
+    factor `OTHER_LEAF`'s gradient was scaled by."""
 
     def get(name: str) -> Any:
         found = optax.tree.get_all_with_path(opt_state, name)
@@ -124,14 +126,19 @@ def read_state(opt_state: Any, raw_norm: jax.Array) -> dict[str, jax.Array]:
     threshold, clipped = jnp.array(jnp.nan), jnp.array(False)
     if get("threshold") is not None:  # zclip, autoclip
         threshold = get("threshold")
-        clipped = norm > threshold
-    if get("thresholds") is not None:  # adagc: one threshold per tensor
-        threshold = clipax.tree.global_norm(get("thresholds"))
-        over = jax.tree.map(jnp.greater, get("norms"), get("thresholds"))
-        clipped = jnp.any(jnp.stack(jax.tree.leaves(over)))
     if isinstance(get("nonfinite_count"), jax.Array):  # fixed threshold
         threshold = jnp.array(MAX_NORM)
-        clipped = norm > MAX_NORM
+    clipped = norm > threshold
+    kept = jnp.where(clipped, threshold / norm, 1.0)
+    if get("thresholds") is not None:  # adagc: one threshold per tensor
+        norms, thresholds = get("norms"), get("thresholds")
+        threshold = clipax.tree.global_norm(thresholds)
+        over = jax.tree.map(jnp.greater, norms, thresholds)
+        clipped = jnp.any(jnp.stack(jax.tree.leaves(over)))
+        other = (norms, thresholds)
+        for key in OTHER_LEAF:
+            other = (other[0][key], other[1][key])
+        kept = jnp.minimum(1.0, other[1] / other[0])
     skipped = get("last_finite")  # optax.apply_if_finite
     skipped = jnp.array(False) if skipped is None else ~skipped
     return {
@@ -139,6 +146,7 @@ def read_state(opt_state: Any, raw_norm: jax.Array) -> dict[str, jax.Array]:
         "threshold": threshold,
         "clipped": clipped,
         "skipped": skipped,
+        "kept": kept,
     }
 
 
@@ -195,15 +203,18 @@ def train(
 
 def summary(name: str, run: dict[str, np.ndarray], schedule: dict[int, str]) -> str:
     """One line: the loss before the spikes and between the spikes and the NaN
-    step, the test accuracy before the NaN step and at the end, and how many
+    step, the share of its gradient another tensor kept at the one-tensor
+    spike, the test accuracy before the NaN step and at the end, and how many
     steps were clipped and skipped."""
     first = min(schedule)
+    local = next(t for t, kind in schedule.items() if kind == "local")
     nan_step = max(t for t, kind in schedule.items() if kind == "nan")
     loss = run["loss"]
     before = loss[max(0, first - 20) : first].mean()
     after = loss[max(first, nan_step - 20) : nan_step].mean()
     return (
-        f"{name:>15}: loss before spikes {before:6.3f}, after them {after:8.3g}; "
+        f"{name:>15}: loss before spikes {before:6.3f}, after them {after:8.3g}, "
+        f"others kept {float(run['kept'][local]):7.2g} at the local spike; "
         f"test accuracy before NaN {float(run['accuracy_before_nan']):5.3f}, "
         f"final {float(run['accuracy']):5.3f}; clipped {int(run['clipped'].sum()):3d} "
         f"steps, skipped {int(run['skipped'].sum()):2d}"
