@@ -92,9 +92,10 @@ def adagc(
     `megatron/optimizer/clip_grads.py` of github.com/lishuai-97/AdaGC) where
     the paper leaves room or differs: its defaults (`clip_ratio` 1.04,
     `alpha` (the paper's beta) 0.99, 100 warm-up steps, Megatron's
-    `--clip-grad` 1.0 as `max_norm`; the paper's first version, and ports of
-    it, give 1.05 and 0.98); the warm-up EMA seeded with the minimum of the
-    clipped norms; norms of whole tensors across model-parallel shards.
+    `--clip-grad` 1.0 as `max_norm`, where ports of the paper's first version,
+    such as pytorch_optimizer's `AdaGC`, use 1.05 and 0.98); the warm-up EMA
+    seeded with the minimum of the clipped norms; norms of whole tensors
+    across model-parallel shards.
     Differences from that code: the clip factor is `t / g` (clipax's formula)
     where it divides by `g + 1e-6`; a leaf's zero norm does not seed its EMA
     (the code's minimum would then be 0 and clip that leaf to zero for the rest
