@@ -186,13 +186,12 @@ def train(
         x, y = next(batches)
         kind = KINDS.get(schedule.get(t, ""), 0)
         params, opt_state, loss, raw_norm = step(params, opt_state, x, y, kind)
-        logged = clipax.metrics(opt_state)  # every clipax statistic: a logger's row
         row = {"loss": loss, **read_state(opt_state, raw_norm)}
+        # METRICS: `clipax.metrics(opt_state)` (the spikes branch) is logged
+        # here, every step, once merged.
         for key, value in row.items():
             curves.setdefault(key, []).append(np.asarray(value))
-        bar.set_postfix(
-            {k: f"{float(v):.3g}" for k, v in logged.items()}, refresh=False
-        )
+        bar.set_postfix(loss=f"{float(loss):.3g}", norm=f"{float(row['norm']):.3g}")
     result = {k: np.stack(v) for k, v in curves.items()}
     result["accuracy_before_nan"] = np.asarray(accuracy_before_nan)
     result["accuracy"] = np.asarray(

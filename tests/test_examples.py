@@ -109,3 +109,39 @@ def test_nnx_logging(tmp_path: Path) -> None:
     assert all(0 <= f <= 100 for f in fractions)
     overall = int(re.search(r"^clipped steps overall: (\d+)% of 40$", out, re.M)[1])
     assert overall == round(sum(fractions) / len(fractions))
+
+
+SPIKE_RULES = {
+    "no clipping",
+    "fixed",
+    "apply_if_finite",
+    "zclip",
+    "autoclip",
+    "adagc",
+}
+SPIKE_LINE = re.compile(
+    r"^\s*(?P<name>[\w ]+): loss before spikes\s+(?P<before>\S+), after them\s+"
+    r"(?P<after>\S+), others kept\s+(?P<kept>\S+) at the local spike; test "
+    r"accuracy before NaN (?P<acc>\S+), final (?P<final>\S+); clipped\s+"
+    r"(?P<clipped>\d+) steps, skipped\s+(?P<skipped>\d+)$",
+    re.MULTILINE,
+)
+
+
+def test_spikes(tmp_path: Path) -> None:
+    out = run_example("spikes.py", "--steps", "60", cwd=tmp_path)
+    runs = {m["name"]: m for m in SPIKE_LINE.finditer(out)}
+    assert set(runs) == SPIKE_RULES, out
+    # Unclipped, the x100 spikes ruin the run; every clipping rule survives them.
+    for name in ("fixed", "zclip", "autoclip", "adagc"):
+        assert float(runs[name]["after"]) < float(runs["no clipping"]["after"]) / 10
+        assert float(runs[name]["acc"]) > 0.5
+        assert int(runs[name]["skipped"]) == 0
+    # Only apply_if_finite skips, and only the NaN step.
+    assert int(runs["apply_if_finite"]["skipped"]) == 1
+    # At the one-tensor spike, AdaGC keeps the other tensors' update; the
+    # global rules scale it down with the spiked tensor.
+    for name in ("fixed", "zclip", "autoclip"):
+        assert float(runs[name]["kept"]) < 0.05
+        assert float(runs["adagc"]["kept"]) > 20 * float(runs[name]["kept"])
+    assert_png(tmp_path / "spikes.png")
