@@ -1,14 +1,57 @@
-"""Test set-up: 8 CPU devices, hypothesis profiles."""
+"""Test set-up: the devices JAX sees, the `devices` marker, hypothesis profiles.
+
+By default (and in CI) the suite runs on 8 CPU devices, forced before JAX is
+imported. `CLIPAX_TEST_DEVICES=native` keeps the machine's own backend and
+devices instead (a GPU machine: `CLIPAX_TEST_DEVICES=native python -m pytest`);
+tests marked `@pytest.mark.devices(n)` then skip where fewer than n devices
+exist, saying so.
+"""
 
 import os
 
-# Must run before JAX is imported anywhere in the test session.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+DEVICES = os.environ.get("CLIPAX_TEST_DEVICES", "cpu8")
+if DEVICES not in ("cpu8", "native"):
+    raise ValueError(
+        f"CLIPAX_TEST_DEVICES must be 'cpu8' (default: 8 CPU devices) or 'native' "
+        f"(the default backend and its devices); got {DEVICES!r}."
+    )
+if DEVICES == "cpu8":
+    # Must run before JAX is imported anywhere in the test session.
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import hypothesis
+import hypothesis  # noqa: E402
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "devices(n): needs at least n JAX devices; skipped with fewer "
+        "(CLIPAX_TEST_DEVICES=native on a machine with fewer)",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("devices"):
+        needed = int(mark.args[0])
+        if jax.device_count() < needed:
+            pytest.skip(
+                f"needs {needed} devices; JAX has {jax.device_count()} "
+                f"({jax.default_backend()}, CLIPAX_TEST_DEVICES={DEVICES})"
+            )
+
+
+def pytest_report_header() -> str:
+    return (
+        f"clipax: CLIPAX_TEST_DEVICES={DEVICES}, JAX backend "
+        f"{jax.default_backend()} with {jax.device_count()} devices"
+    )
+
 
 hypothesis.settings.register_profile(
     "ci",

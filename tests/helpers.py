@@ -165,15 +165,16 @@ def run_updates(tx: Any, trees: list) -> tuple[list, list]:
     return outputs, states
 
 
-def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
+def sharded_and_pmap_runs(make_tx: Any, spike_at: int = 50) -> tuple[list, list, list]:
     """Runs `make_tx()` over a spike sequence three ways, returns the outputs:
     on one device, on row-sharded arrays under jit, and under pmap after a
-    pmean of per-device gradients whose mean is the same."""
+    pmean of per-device gradients whose mean is the same. The 40 steps hold
+    the spike of `spike_norms` when `spike_at` < 40."""
     rng = np.random.default_rng(0)
     direction = {"w": rng.standard_normal((8, 3)), "b": rng.standard_normal(3)}
     trees = [
         jax.tree.map(lambda d, n=n: np.asarray(d * n, np.float32), direction)
-        for n in spike_norms(40)
+        for n in spike_norms(40, spike_at=spike_at)
     ]
     tx = make_tx()
     single, _ = run_updates(tx, trees)
@@ -199,14 +200,30 @@ def sharded_and_pmap_runs(make_tx: Any) -> tuple[list, list, list]:
     return single, sharded, pmapped
 
 
-def run_script(
-    script: pathlib.Path, *args: str, cwd: pathlib.Path | None = None, **env: str | None
-) -> str:
-    """Runs `script` with this interpreter; asserts exit 0 and returns stdout.
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
-    `env` entries override the environment; None removes a variable.
+
+def with_src_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the suite's own `src` first on PYTHONPATH, so that a
+    subprocess imports the clipax under test whether or not it is installed."""
+    paths = [str(SRC), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run_script(
+    script: pathlib.Path,
+    *args: str,
+    cwd: pathlib.Path | None = None,
+    with_stderr: bool = False,
+    **env: str | None,
+) -> str:
+    """Runs `script` with this interpreter; asserts exit 0 and returns stdout
+    (followed by stderr with `with_stderr`).
+
+    The suite's own `src` comes first on PYTHONPATH (`with_src_path`). `env`
+    entries override the environment; None removes a variable.
     """
-    environment = dict(os.environ)
+    environment = with_src_path(dict(os.environ))
     for key, value in env.items():
         if value is None:
             environment.pop(key, None)
@@ -225,4 +242,4 @@ def run_script(
         f"{script.name} exited with {result.returncode}\n"
         f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     )
-    return result.stdout
+    return result.stdout + result.stderr if with_stderr else result.stdout

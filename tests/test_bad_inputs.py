@@ -200,17 +200,18 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         TypeError,
         r"leaf at \['x'\]\[1\] has dtype int32",
     ),
+    # Python numbers are 0-d leaves (tests/test_inputs.py); ints have no norm.
     (
-        "Python list as a leaf",
-        lambda t: clipax.tree.global_norm({"w": [1.0, 2.0]}),
+        "Python int in a list",
+        lambda t: clipax.tree.global_norm({"w": [1.0, 2]}),
         TypeError,
-        r"leaf at \['w'\]\[0\] is a float",
+        r"leaf at \['w'\]\[1\] has dtype int32",
     ),
     (
-        "Python list in a transformation",
-        lambda t: _init_update(clipax.clip_by_global_norm(1.0), {"w": [1.0, 2.0]}),
+        "object in a transformation",
+        lambda t: _init_update(clipax.clip_by_global_norm(1.0), {"w": [1.0, object()]}),
         TypeError,
-        r"leaf at \['w'\]\[0\] is a float",
+        r"leaf at \['w'\]\[1\] is a object",
     ),
     (
         "string leaf",

@@ -229,6 +229,7 @@ def sharded_tree(mesh: jax.sharding.Mesh) -> dict:
     "axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto]
 )
 @pytest.mark.parametrize("p", [2.0, math.inf])
+@pytest.mark.devices(8)
 def test_sharded_leaves_are_never_concatenated(
     axis_type: jax.sharding.AxisType, p: float
 ) -> None:
@@ -249,6 +250,7 @@ def test_sharded_leaves_are_never_concatenated(
     assert clipped["n"] is None
 
 
+@pytest.mark.devices(8)
 def test_can_concatenate_rules() -> None:
     explicit = jax.make_mesh((2, 4), ("a", "b"))
     auto = jax.make_mesh(
@@ -298,6 +300,7 @@ def test_can_concatenate_rules() -> None:
     }
 
 
+@pytest.mark.devices(8)
 def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     tree = {"x": jnp.arange(64.0).reshape(8, 8), "y": jnp.arange(16.0)}

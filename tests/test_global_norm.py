@@ -294,7 +294,7 @@ def test_integer_and_bool_leaves_are_rejected_by_path(leaf: object, dtype: str) 
 
 
 @pytest.mark.parametrize(
-    ("leaf", "kind"), [("abc", "str"), (1.5, "float"), (object(), "object")]
+    ("leaf", "kind"), [("abc", "str"), (b"ab", "bytes"), (object(), "object")]
 )
 def test_non_array_leaves_are_rejected_by_path(leaf: object, kind: str) -> None:
     with pytest.raises(TypeError, match=rf"leaf at \['x'\] is a {kind}"):

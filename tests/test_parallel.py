@@ -29,6 +29,7 @@ def mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((2, 4), ("data", "model"))
 
 
+@pytest.mark.devices(8)
 def test_pmap_after_pmean_equals_one_device() -> None:
     per_device = _grads()
     tx = clipax.clip_by_global_norm(0.5)
@@ -79,6 +80,7 @@ def _sharded_tree(mesh: jax.sharding.Mesh) -> tuple[dict, dict]:
         lambda: clipax.clip(0.5),
     ],
 )
+@pytest.mark.devices(8)
 def test_gspmd_equals_one_device_and_keeps_shardings(
     mesh: jax.sharding.Mesh, make: object
 ) -> None:
@@ -92,6 +94,7 @@ def test_gspmd_equals_one_device_and_keeps_shardings(
         assert leaf.sharding.is_equivalent_to(sharded[key].sharding, leaf.ndim), key
 
 
+@pytest.mark.devices(8)
 def test_gspmd_global_norm_gathers_nothing(mesh: jax.sharding.Mesh) -> None:
     _, sharded = _sharded_tree(mesh)
     tx = clipax.clip_by_global_norm(1.0)
@@ -101,6 +104,7 @@ def test_gspmd_global_norm_gathers_nothing(mesh: jax.sharding.Mesh) -> None:
     assert "collective-permute" not in hlo
 
 
+@pytest.mark.devices(8)
 def test_optax_chain_under_gspmd(mesh: jax.sharding.Mesh) -> None:
     host, sharded = _sharded_tree(mesh)
     tx = optax.chain(clipax.clip_by_global_norm(1.0), optax.adam(1e-3))

@@ -65,6 +65,7 @@ def _shard_map(mesh: jax.sharding.Mesh, fn: Any, out_specs: Any) -> Any:
 
 
 @pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.devices(8)
 def test_global_norm_in_shard_map_equals_one_device(
     mesh: jax.sharding.Mesh, ord: float
 ) -> None:
@@ -85,6 +86,7 @@ def test_global_norm_in_shard_map_equals_one_device(
 
 
 @pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.devices(8)
 def test_transformation_in_shard_map_equals_one_device(
     mesh: jax.sharding.Mesh, ord: float
 ) -> None:
@@ -96,13 +98,16 @@ def test_transformation_in_shard_map_equals_one_device(
     def step(t: Any) -> Any:
         return tx.update(t, tx.init(t))
 
-    state_specs = clipax.ClipByGlobalNormState(norm=P(), nonfinite_count=P())
+    state_specs = clipax.ClipByGlobalNormState(
+        norm=P(), nonfinite_count=P(), threshold=P()
+    )
     updates, state = _shard_map(mesh, step, (SPECS, state_specs))(_shard(mesh, host))
     chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(state.norm, expected_state.norm, rtol=1e-6)
 
 
 @pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.devices(8)
 def test_tree_clip_in_shard_map_with_nonfinite_policies(
     mesh: jax.sharding.Mesh, ord: float
 ) -> None:
@@ -121,6 +126,7 @@ def test_tree_clip_in_shard_map_with_nonfinite_policies(
 
 
 @pytest.mark.parametrize("axes", [None, 0, -1])
+@pytest.mark.devices(8)
 def test_per_leaf_clipping_in_shard_map_equals_one_device(
     mesh: jax.sharding.Mesh, axes: Any
 ) -> None:
@@ -157,6 +163,7 @@ def _collectives(jaxpr: Any, counts: dict[str, int], in_cond: bool = False) -> N
                     _collectives(inner, counts, in_cond or name == "cond")
 
 
+@pytest.mark.devices(8)
 def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
     # Axis sets in SPECS: {data, model} (w, v), {model} (b, stack[0]),
     # {data} (c), and none (r, stack[1]): three collectives, not seven.
@@ -198,6 +205,7 @@ def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
 
 
 @pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.devices(8)
 def test_pmap_with_axis_name_over_per_device_shards(ord: float) -> None:
     rng = np.random.default_rng(3)
     full = {
@@ -223,6 +231,7 @@ def test_pmap_with_axis_name_over_per_device_shards(ord: float) -> None:
     )
 
 
+@pytest.mark.devices(8)
 def test_axis_name_and_specs_together(mesh: jax.sharding.Mesh) -> None:
     # Leaves sharded by specs over "model", and split over "data" as well.
     host = {"a": np.arange(32, dtype=np.float32).reshape(8, 4)}
@@ -291,6 +300,7 @@ _ALL_REDUCE = re.compile(r"=\s*(\([^)]*\)|\S+)\s+all-reduce(?:-start)?\(")
 
 
 @pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.devices(8)
 def test_gspmd_only_scalar_all_reduces(mesh: jax.sharding.Mesh, ord: float) -> None:
     host = _host_tree()
     sharded = _shard(mesh, host)
@@ -322,6 +332,7 @@ def test_gspmd_only_scalar_all_reduces(mesh: jax.sharding.Mesh, ord: float) -> N
     ],
     ids=["autoclip", "zclip", "adagc"],
 )
+@pytest.mark.devices(8)
 def test_adaptive_rules_in_shard_map_equal_one_device(
     mesh: jax.sharding.Mesh, make: Any
 ) -> None:

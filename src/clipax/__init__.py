@@ -17,8 +17,14 @@ from clipax._autoclip import autoclip as autoclip
 from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax._metrics import metrics as metrics
+from clipax._migrate import migrate_state as migrate_state
+from clipax._nonfinite import NonFiniteError as NonFiniteError
+from clipax._nonfinite import nonfinite_errors as nonfinite_errors
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
+from clipax._skip import SkipSpikesState as SkipSpikesState
+from clipax._skip import skip_spikes as skip_spikes
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
 from clipax._zclip import ZClipState as ZClipState
@@ -34,6 +40,8 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "NonFiniteError",
+    "SkipSpikesState",
     "ZClipState",
     "__version__",
     "adagc",
@@ -44,6 +52,10 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "metrics",
+    "migrate_state",
+    "nonfinite_errors",
+    "skip_spikes",
     "tree",
     "zclip",
 ]

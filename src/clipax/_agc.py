@@ -144,6 +144,7 @@ def adaptive_grad_clip(
     def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
         if params is None:
             raise ValueError(NO_PARAMS)
+        updates, params = _common.as_arrays(updates), _common.as_arrays(params)
         _common.check_norm_leaves(updates, "adaptive_grad_clip")
         _common.check_norm_leaves(params, "adaptive_grad_clip")
 

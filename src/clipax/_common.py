@@ -23,9 +23,10 @@ KeyPath = tuple[Any, ...]
 ORD_ACCEPTED = "1, 2, inf, or a real number p >= 1"
 THRESHOLD_TYPES = "a real number, a NumPy or JAX scalar, or a traced value"
 ARRAY_LEAVES = (
-    "clipax takes trees of arrays (jax.Array, numpy.ndarray or NumPy scalars); "
-    "use None or optax.MaskedNode for empty leaves"
+    "clipax takes trees of arrays (jax.Array, numpy.ndarray, NumPy scalars or "
+    "Python numbers); use None or optax.MaskedNode for empty leaves"
 )
+PYTHON_NUMBERS = (bool, int, float, complex)
 
 
 def is_traced(value: Any) -> bool:
@@ -38,21 +39,34 @@ def path_str(path: KeyPath) -> str:
     return jax.tree_util.keystr(path) if path else "<root>"
 
 
+def as_array(leaf: Any) -> Any:
+    """A Python number as a 0-d JAX array (as `jnp.asarray` makes it: float32
+    for a float, int32 for an int, with x64 off); any other leaf as it is."""
+    return jnp.asarray(leaf) if type(leaf) in PYTHON_NUMBERS else leaf
+
+
+def as_arrays(tree: PyTree) -> PyTree:
+    """`tree` with its Python-number leaves as 0-d JAX arrays (`as_array`)."""
+    return jax.tree.map(as_array, tree)
+
+
 def leaves_with_paths(tree: PyTree) -> list[tuple[KeyPath, Any]]:
-    """The (path, leaf) pairs of `tree`; None and MaskedNode contribute none."""
-    return jax.tree_util.tree_flatten_with_path(tree)[0]
+    """The (path, leaf) pairs of `tree`, Python numbers as 0-d arrays; None and
+    MaskedNode contribute none."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(path, as_array(leaf)) for path, leaf in flat]
 
 
 def _array_dtype(path: KeyPath, leaf: Any) -> np.dtype:
     if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
         raise TypeError(
             f"The leaf at {path_str(path)} is a {type(leaf).__name__} "
-            f"({_short_repr(leaf)}); {ARRAY_LEAVES}."
+            f"({short_repr(leaf)}); {ARRAY_LEAVES}."
         )
     return np.dtype(leaf.dtype)
 
 
-def _short_repr(value: Any) -> str:
+def short_repr(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -139,7 +153,7 @@ def check_ord(ord: Any) -> float:
     real_number = isinstance(ord, numbers.Real) and not isinstance(ord, bool)
     p = float(ord) if real_number or real_array else math.nan
     if math.isnan(p) or p < 1:
-        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {_short_repr(ord)}.")
+        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {short_repr(ord)}.")
     return p
 
 
@@ -151,7 +165,7 @@ def concrete_real(name: str, value: Any, accepted: str) -> np.ndarray:
         array = np.asarray(value)
     except Exception as error:  # anything NumPy cannot read as an array
         raise TypeError(
-            f"`{name}` must be {accepted}; got {_short_repr(value)} of type "
+            f"`{name}` must be {accepted}; got {short_repr(value)} of type "
             f"{type(value).__name__}."
         ) from error
     numeric = jnp.issubdtype(array.dtype, jnp.floating) or jnp.issubdtype(
@@ -159,7 +173,7 @@ def concrete_real(name: str, value: Any, accepted: str) -> np.ndarray:
     )
     if not numeric or array.dtype == np.bool_:
         raise TypeError(
-            f"`{name}` must be {accepted}; got {_short_repr(value)} with dtype "
+            f"`{name}` must be {accepted}; got {short_repr(value)} with dtype "
             f"{array.dtype}."
         )
     return array.astype(np.float64)
@@ -176,7 +190,7 @@ def check_max_norm(name: str, value: Any) -> None:
             f"`{name}` must be {accepted}; got an array of shape {array.shape}."
         )
     if not array > 0:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {_short_repr(value)}.")
+        raise ValueError(f"`{name}` must be {accepted}; got {short_repr(value)}.")
 
 
 def check_use_norm(value: Any) -> None:
@@ -190,7 +204,7 @@ def check_use_norm(value: Any) -> None:
             f"`use_norm` must be {accepted}; got an array of shape {array.shape}."
         )
     if array < 0:
-        raise ValueError(f"`use_norm` must be {accepted}; got {_short_repr(value)}.")
+        raise ValueError(f"`use_norm` must be {accepted}; got {short_repr(value)}.")
 
 
 def check_bounds(min_value: Any, max_value: Any) -> None:
@@ -202,7 +216,7 @@ def check_bounds(min_value: Any, max_value: Any) -> None:
             continue
         array = concrete_real(name, value, accepted)
         if np.isnan(array).any():
-            raise ValueError(f"`{name}` must not be NaN; got {_short_repr(value)}.")
+            raise ValueError(f"`{name}` must not be NaN; got {short_repr(value)}.")
         arrays[name] = array
     if len(arrays) == 2:
         low, high = arrays["min_value"], arrays["max_value"]
@@ -216,7 +230,7 @@ def check_bounds(min_value: Any, max_value: Any) -> None:
         if crossed:
             raise ValueError(
                 "`min_value` must be <= `max_value`; got min_value="
-                f"{_short_repr(min_value)} and max_value={_short_repr(max_value)}."
+                f"{short_repr(min_value)} and max_value={short_repr(max_value)}."
             )
 
 
@@ -229,7 +243,7 @@ def normalize_axes(axes: Any) -> tuple[int, ...] | None:
     accepted = "None, an int, or a sequence of distinct ints"
     if isinstance(axes, (jax.Array, np.ndarray)):  # e.g. from inject_hyperparams
         if axes.ndim > 1 or not jnp.issubdtype(axes.dtype, jnp.integer):
-            raise ValueError(f"`axes` must be {accepted}; got {_short_repr(axes)}.")
+            raise ValueError(f"`axes` must be {accepted}; got {short_repr(axes)}.")
         axes = tuple(int(a) for a in np.asarray(axes).reshape(-1))
     items = (axes,) if isinstance(axes, numbers.Integral) else axes
     try:
@@ -349,7 +363,8 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
     the norm is NaN or inf; 0 for a nonzero norm when a traced `max_norm` is
     <= 0. Differentiable everywhere with finite gradients. A factor below the
     smallest normal float (1.2e-38 in float32: `max_norm` under 1e-38 times the
-    norm) is flushed to 0 by XLA's CPU and GPU backends.
+    norm) is flushed to 0 by XLA's CPU backend; XLA's GPU backend keeps such
+    subnormal factors.
     """
     threshold = jnp.asarray(max_norm).astype(norm.dtype)
     over = norm > threshold
@@ -362,4 +377,5 @@ def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     """`x * scale`, computed in the wider of the two dtypes, cast back to x's."""
     # The leaf's dtype as JAX holds it: NumPy float64 leaves are float32 when
     # x64 is off, and asking for float64 would only warn.
+    x = as_array(x)
     return (x * scale).astype(jax.dtypes.canonicalize_dtype(x.dtype))

@@ -15,10 +15,22 @@ from clipax.tree import _global_norm
 
 
 class ClipByGlobalNormState(NamedTuple):
-    """State of `clip_by_global_norm`: the norm it saw last, for logging."""
+    """State of `clip_by_global_norm`: the norm it saw last, for logging.
+
+    `norm` is the pre-clip global norm of the last update this transformation
+    saw. Inside `optax.MultiSteps` that is the norm of the accumulated mean
+    gradient at each k-th micro-step (between them, the last value); inside
+    `optax.masked`, of the masked-in leaves; inside `optax.apply_if_finite`, of
+    the last finite step. `optax.tree.get(opt_state, "norm")` finds it through
+    these wrappers and `optax.inject_hyperparams`; with one clip per group
+    (`optax.partition`), `optax.tree.get_all_with_path(opt_state, "norm")`
+    lists each group's.
+    """
 
     norm: jax.Array  # float32 scalar (float64 for float64 updates): pre-clip norm
     nonfinite_count: jax.Array  # int32 scalar: updates whose norm was NaN or inf
+    threshold: jax.Array  # scalar, `norm`'s dtype: the `max_norm` of the last
+    # update (inf before any), so `clipax.metrics` can tell whether it clipped
 
 
 def clip_by_global_norm(
@@ -90,7 +102,9 @@ def clip_by_global_norm(
         flat = _common.check_norm_leaves(params, "clip_by_global_norm")
         dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
         return ClipByGlobalNormState(
-            norm=jnp.zeros((), dtype), nonfinite_count=jnp.zeros((), jnp.int32)
+            norm=jnp.zeros((), dtype),
+            nonfinite_count=jnp.zeros((), jnp.int32),
+            threshold=jnp.full((), jnp.inf, dtype),
         )
 
     def update_fn(
@@ -103,8 +117,11 @@ def clip_by_global_norm(
             updates, max_norm, None, p, axis_name, specs, nonfinite
         )
         count = state.nonfinite_count + jnp.where(finite, 0, 1).astype(jnp.int32)
+        dtype = state.norm.dtype
         new_state = ClipByGlobalNormState(
-            norm=norm.astype(state.norm.dtype), nonfinite_count=count
+            norm=norm.astype(dtype),
+            nonfinite_count=count,
+            threshold=jnp.asarray(max_norm).astype(dtype),
         )
         return clipped, new_state
 

@@ -79,7 +79,8 @@ def clip_by_norm(
         for path, leaf in flat:
             _common.leaf_axes(axes, path, leaf.shape)
         norms = jax.tree.map(
-            lambda x: jnp.zeros((), _common.accum_dtype(x.dtype)), params
+            lambda x: jnp.zeros((), _common.accum_dtype(_common.as_array(x).dtype)),
+            params,
         )
         return ClipByNormState(norms=norms)
 

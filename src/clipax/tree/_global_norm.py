@@ -7,9 +7,10 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _common, _reduce
+from clipax import _common, _nonfinite, _reduce
 
 NONFINITE_MODES = ("nan", "zero", "error")
 
@@ -19,6 +20,8 @@ def check_nonfinite(nonfinite: str) -> None:
         raise ValueError(
             f"`nonfinite` must be one of {NONFINITE_MODES}; got {nonfinite!r}."
         )
+    if nonfinite == "error":
+        _nonfinite.check_host_callback()
 
 
 def _norm_of(
@@ -32,17 +35,44 @@ def _norm_of(
 
 
 def _raise_for_nonfinite(paths: list[str], finite: Any) -> None:
-    """Host side of `nonfinite="error"`: names the first non-finite leaf."""
+    """`nonfinite="error"`: names the first non-finite leaf (on the host)."""
     for path, ok in zip(paths, finite, strict=True):
         if not ok:
-            raise FloatingPointError(
+            raise _nonfinite.NonFiniteError(
                 f"clip_by_global_norm: the leaf at {path} holds NaN or inf "
-                "(nonfinite='error')."
+                f"{_nonfinite.MARKER}."
             )
-    raise FloatingPointError(
+    raise _nonfinite.NonFiniteError(
         "clip_by_global_norm: the global norm is not finite although every leaf "
-        "is: it exceeds the largest float32 (nonfinite='error')."
+        f"is: it exceeds the largest float32 {_nonfinite.MARKER}."
     )
+
+
+def _host_bool(x: jax.Array) -> bool:
+    """A replicated scalar's value, also when other processes hold it too."""
+    return bool(np.asarray(x.addressable_data(0)))
+
+
+def _raise_if_nonfinite(flat: list[tuple[Any, Any]], finite: jax.Array) -> None:
+    """Raises `NonFiniteError` now (eagerly) or from a host callback (traced)."""
+    paths = [_common.path_str(path) for path, _ in flat] or ["<none>"]
+    if not _common.is_traced(finite):  # eagerly: raise here, no callback
+        if not _host_bool(finite):
+            flags = [_host_bool(jnp.all(jnp.isfinite(x))) for _, x in flat] or [False]
+            _raise_for_nonfinite(paths, flags)
+        return
+    leaf_finite = jnp.stack(
+        [jnp.all(jnp.isfinite(leaf)) for _, leaf in flat] or [finite]
+    )
+
+    def check(ok: jax.Array, flags: jax.Array) -> None:
+        if not ok:
+            _raise_for_nonfinite(paths, flags)
+
+    # partitioned: every device runs the check on its copy of these replicated
+    # flags, so that every process of a multi-process job raises, not only the
+    # one that holds device 0.
+    jax.debug.callback(check, finite, leaf_finite, partitioned=True)
 
 
 def global_norm(
@@ -135,9 +165,14 @@ def clip_by_global_norm(
         NaN; `"zero"` every output zero (the rest of a chain sees a zero
         gradient, so momentum still decays; to leave the optimizer state as it
         was, wrap the chain in `optax.apply_if_finite`); `"error"` the program
-        stops with an error naming the first leaf, by path, that holds NaN or
-        inf. `"error"` works under `jax.jit` through `jax.debug.callback`, the
-        one place where clipax calls back to the host, and only when asked to.
+        stops with `clipax.NonFiniteError` (a `FloatingPointError`) naming the
+        first leaf, by path, that holds NaN or inf. Under `jax.jit` the check
+        runs through `jax.debug.callback` on every device (the one place where
+        clipax calls back to the host, and only when asked to), and JAX stops
+        the program with a `jax.errors.JaxRuntimeError`: wrap the jitted step in
+        `clipax.nonfinite_errors` to receive the `NonFiniteError`. It needs
+        JAX's CPU backend for the callback; without one, `"error"` is a
+        `ValueError` when given.
 
     Returns:
       `(clipped_tree, norm)`, `norm` being the pre-clip global norm (float32, or
@@ -147,9 +182,10 @@ def clip_by_global_norm(
       ValueError: if `max_norm`, `use_norm`, `ord`, `axis_name`, `specs` or
         `nonfinite` is not accepted.
       TypeError: if a leaf is not a floating-point or complex array.
-      FloatingPointError: with `nonfinite="error"`, for a NaN or inf norm, when
-        called eagerly; under `jax.jit`, JAX raises it as a
-        `jax.errors.JaxRuntimeError` whose message ends with this error's.
+      clipax.NonFiniteError: (a `FloatingPointError`) with `nonfinite="error"`,
+        for a NaN or inf norm, when called eagerly; under `jax.jit`, JAX raises
+        it as a `jax.errors.JaxRuntimeError` whose message ends with this
+        error's, which `clipax.nonfinite_errors` turns back into it.
 
     Example:
       >>> import jax.numpy as jnp
@@ -180,6 +216,7 @@ def clip_with_norm(
     nonfinite: str,
 ) -> tuple[chex.ArrayTree, jax.Array, jax.Array]:
     """`clip_by_global_norm`, also returning whether the norm was finite."""
+    tree = _common.as_arrays(tree)
     _common.check_max_norm("max_norm", max_norm)
     _common.check_use_norm(use_norm)
     check_nonfinite(nonfinite)
@@ -193,16 +230,7 @@ def clip_with_norm(
     finite = jnp.isfinite(norm)
     scale = _common.clip_scale(norm, max_norm)
     if nonfinite == "error":
-        leaf_finite = jnp.stack(
-            [jnp.all(jnp.isfinite(leaf)) for _, leaf in flat] or [finite]
-        )
-        paths = [_common.path_str(path) for path, _ in flat] or ["<none>"]
-
-        def check(ok: jax.Array, flags: jax.Array) -> None:
-            if not ok:
-                _raise_for_nonfinite(paths, flags)
-
-        jax.debug.callback(check, finite, leaf_finite)
+        _raise_if_nonfinite(flat, finite)
     if nonfinite == "zero":
         clipped = jax.tree.map(
             lambda x: jnp.where(finite, _common.apply_scale(x, scale), 0).astype(

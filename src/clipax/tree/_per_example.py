@@ -84,9 +84,10 @@ def per_example_global_norm_clip(
     `l2_norm_clip / max(n_i, l2_norm_clip)`, and the weighted examples are
     summed. Only the `[batch]` norms and one weighted sum over the batch per
     leaf are computed, each fused into one pass: no clipped copy of the
-    per-example gradients is made. Works with the batch axis sharded across
-    devices (under jit with `NamedSharding`, explicit mesh axes included, where
-    optax's `tensordot` asks for an output sharding).
+    per-example gradients is made on XLA's CPU backend (on GPU, XLA was seen
+    to make one leaf-sized temporary: docs/semantics.md). Works with the batch
+    axis sharded across devices (under jit with `NamedSharding`, explicit mesh
+    axes included, where optax's `tensordot` asks for an output sharding).
 
     With clipax's rules: norms are accumulated in float32 (float64 for float64
     leaves), each summed leaf keeps its input dtype (optax returns float32 for

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,19 +10,57 @@ from jax.typing import ArrayLike
 
 from clipax import _common
 
+INTEGER_BOUND = (
+    "an integer leaf is clamped in its own dtype, so its bounds must be whole "
+    "numbers (values past the dtype's range and +-inf saturate)"
+)
 
-def _bound_for(
-    bound: ArrayLike, dtype: np.dtype, round_fn: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-    """`bound` in a leaf's dtype; for integer leaves rounded inwards, saturated."""
+
+def _check_integer_bound(
+    name: str, bound: ArrayLike, path: str, dtype: np.dtype
+) -> None:
+    """A bound for an integer leaf: whole numbers (or +-inf), never rounded.
+
+    Raises:
+      ValueError: for a concrete bound with a fractional part.
+      TypeError: for a traced bound of a floating dtype, which cannot be
+        checked.
+    """
+    if _common.is_traced(bound):
+        if not jnp.issubdtype(bound.dtype, jnp.integer):  # type: ignore[union-attr]
+            raise TypeError(
+                f"`{name}` is a traced {bound.dtype} value and the leaf at {path} "  # type: ignore[union-attr]
+                f"has dtype {dtype}: {INTEGER_BOUND}, which a traced float cannot "
+                "be checked to be. Pass an integer-dtype bound, or cast the leaf "
+                "to a float dtype."
+            )
+        return
+    values = np.asarray(bound, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    if np.any(finite != np.round(finite)):
+        raise ValueError(
+            f"`{name}`={_common.short_repr(bound)} cannot bound the leaf at {path} "
+            f"(dtype {dtype}) exactly: {INTEGER_BOUND}. Round the bound yourself "
+            "(`math.floor`/`math.ceil`), or cast the leaf to a float dtype."
+        )
+
+
+def _bound_for(bound: ArrayLike, dtype: np.dtype) -> jax.Array:
+    """`bound` in a leaf's dtype; for integer leaves saturated to its range.
+
+    For integer leaves the bound is whole (`_check_integer_bound`), so only
+    values past the dtype's range change: they saturate, which clamps exactly
+    as the bound would.
+    """
     bound = jnp.asarray(bound)
     if not jnp.issubdtype(dtype, jnp.integer):
         return bound.astype(dtype)
-    if jnp.issubdtype(bound.dtype, jnp.integer):
-        return bound.astype(dtype)
     info = jnp.iinfo(dtype)
-    rounded = round_fn(bound)
-    return jnp.clip(rounded, float(info.min), float(info.max)).astype(dtype)
+    if jnp.issubdtype(bound.dtype, jnp.integer):
+        own = jnp.iinfo(bound.dtype)
+        low, high = max(info.min, own.min), min(info.max, own.max)
+        return jnp.clip(bound, low, high).astype(dtype)
+    return jnp.clip(bound, float(info.min), float(info.max)).astype(dtype)
 
 
 def clip_by_value(
@@ -36,8 +72,14 @@ def clip_by_value(
 
     Like `tf.clip_by_value`: bounds may be scalars or arrays that broadcast to
     each leaf, NaN stays NaN, +inf and -inf map to the bounds. Each leaf keeps its
-    dtype and shape. Integer leaves are clamped in their own dtype, float bounds
-    rounded inwards (`ceil` for the lower, `floor` for the upper bound).
+    dtype and shape. Python numbers are leaves too, taken as 0-d arrays (and
+    returned as such). Integer leaves are clamped in their own dtype, and no
+    bound is rounded: a bound with a fractional part (`3.1` for an int32 leaf)
+    raises a `ValueError` naming the leaf, its dtype and the bound, since
+    clamping at 3 would change values silently; whole-number bounds of any
+    dtype work, and bounds past the dtype's range (or +-inf) saturate, which
+    clamps exactly. A traced bound for an integer leaf must have an integer
+    dtype (a traced float cannot be checked: `TypeError`).
 
     Args:
       tree: a pytree of real integer or floating-point arrays; None and
@@ -50,10 +92,11 @@ def clip_by_value(
       The clipped tree, with the structure, shapes and dtypes of `tree`.
 
     Raises:
-      ValueError: if a bound is NaN, `min_value > max_value`, or a bound does
-        not broadcast to a leaf's shape (the message names the leaf).
-      TypeError: if a bound is not real, or a leaf is bool, complex or not an
-        array.
+      ValueError: if a bound is NaN, `min_value > max_value`, a bound does not
+        broadcast to a leaf's shape, or a concrete bound of an integer leaf is
+        not a whole number (the message names the leaf).
+      TypeError: if a bound is not real, a traced bound of an integer leaf has
+        a float dtype, or a leaf is bool, complex or not an array.
 
     Example:
       >>> import jax.numpy as jnp
@@ -75,11 +118,16 @@ def clip_by_value(
                 f"{shapes[1]}) must broadcast to the leaf at {_common.path_str(path)}"
                 f" with shape {tuple(x.shape)} without changing its shape."
             )
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+        if jnp.issubdtype(dtype, jnp.integer):
+            for name, bound in (("min_value", min_value), ("max_value", max_value)):
+                _check_integer_bound(name, bound, _common.path_str(path), dtype)
 
     def clamp(x: jax.Array) -> jax.Array:
+        x = _common.as_array(x)
         dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
-        low = _bound_for(min_value, dtype, jnp.ceil)
-        high = _bound_for(max_value, dtype, jnp.floor)
+        low = _bound_for(min_value, dtype)
+        high = _bound_for(max_value, dtype)
         return jnp.clip(x, low, high).astype(dtype)
 
     return jax.tree.map(clamp, tree)

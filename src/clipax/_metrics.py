@@ -1,0 +1,259 @@
+"""`clipax.metrics`: every clipax statistic in an optimizer state, as a flat dict."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from clipax import _common
+
+PyTree = Any
+
+SEPARATOR = "/"
+# Field of a clipax state that holds a wrapped transformation's state: walked
+# for more clipax states, never read as statistics (as `skip_spikes` keeps it).
+INNER_FIELD = "inner_state"
+# Optax wrappers' states, named as their factories are.
+_WRAPPER_LABELS = {
+    "InjectHyperparamsState": "inject_hyperparams",
+    "InjectStatefulHyperparamsState": "inject_hyperparams",
+    "MultiStepsState": "multi_steps",
+    "PartitionState": "partition",
+    "MultiTransformState": "partition",
+    "MaskedState": "masked",
+    "ApplyIfFiniteState": "apply_if_finite",
+}
+
+
+def _snake(name: str) -> str:
+    words = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name)
+    return words.lower()
+
+
+def _base_name(cls: type) -> str:
+    name = cls.__name__
+    return name[: -len("State")] if name.endswith("State") and name != "State" else name
+
+
+def is_clipax_state(node: Any) -> bool:
+    """Whether `node` is a NamedTuple whose class is defined in clipax."""
+    cls = type(node)
+    module = getattr(cls, "__module__", "") or ""
+    return (
+        isinstance(node, tuple)
+        and hasattr(cls, "_fields")
+        and (module == "clipax" or module.startswith("clipax."))
+    )
+
+
+def state_label(cls: type) -> str:
+    """The public factory's name for a clipax state class: `ZClipState` ->
+    `"zclip"`, `ClipByGlobalNormState` -> `"clip_by_global_norm"`; the class
+    name in snake case when no public name matches."""
+    import clipax  # the package imports this module: look it up late
+
+    base = _base_name(cls)
+    squashed = base.lower()
+    for name in clipax.__all__:
+        if name.replace("_", "").lower() == squashed and name.islower():
+            return name
+    return _snake(base)
+
+
+def _is_nnx_variable(node: Any) -> bool:
+    module = getattr(type(node), "__module__", "") or ""
+    return module.startswith("flax.nnx") and hasattr(node, "get_value")
+
+
+def _unwrap(node: Any) -> Any:
+    return node.get_value() if _is_nnx_variable(node) else node
+
+
+def _segment(key: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """`node`'s direct children as (key, child): one level of the pytree."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: x is not node
+    )
+    return [(path[0], child) for path, child in flat if path]
+
+
+def _scalar(value: Any) -> jax.Array | None:
+    value = _unwrap(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and value.shape == ():
+        return jnp.asarray(value)
+    return None
+
+
+def _leaf_stats(field: str, value: Any) -> dict[str, jax.Array]:
+    """A field holding a tree of scalars (one per update leaf): one entry per
+    leaf, keyed `<leaf path>/<field in singular>`; the empty path is `root`."""
+    stat = field[:-1] if field.endswith("s") else field
+    flat, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_nnx_variable)
+    out = {}
+    for path, leaf in flat:
+        scalar = _scalar(leaf)
+        if scalar is None:
+            continue
+        where = SEPARATOR.join(_segment(k) for k in path) or "root"
+        out[f"{where}{SEPARATOR}{stat}"] = scalar
+    return out
+
+
+def _clip_facts(stats: dict[str, jax.Array], norm: str, threshold: str) -> None:
+    """Adds `clipped` and `clip_factor` beside a `norm` / `threshold` pair."""
+    if norm not in stats or threshold not in stats:
+        return
+    base = norm[: -len("norm")]
+    n, t = stats[norm], stats[threshold]
+    stats[f"{base}clipped"] = n > t.astype(n.dtype)
+    stats[f"{base}clip_factor"] = _common.clip_scale(n, t)
+
+
+def _per_leaf(cls: type, field: str) -> bool:
+    """Whether the field holds a tree (one scalar per update leaf), as its
+    annotation says (`chex.ArrayTree`): a single-array tree's is a scalar too."""
+    annotation = str(getattr(cls, "__annotations__", {}).get(field, ""))
+    return any(word in annotation for word in ("Tree", "Updates", "Params"))
+
+
+def _state_stats(state: Any) -> tuple[dict[str, jax.Array], list[Any]]:
+    """One clipax state's statistics (relative keys) and its inner states."""
+    stats: dict[str, jax.Array] = {}
+    inner = []
+    leaf_fields: dict[str, jax.Array] = {}
+    for field in type(state)._fields:
+        value = getattr(state, field)
+        if field == INNER_FIELD:
+            inner.append(value)
+        elif _per_leaf(type(state), field):
+            leaf_fields.update(_leaf_stats(field, value))
+        elif (scalar := _scalar(value)) is not None:
+            stats[field] = scalar
+    _clip_facts(stats, "norm", "threshold")
+    for key in [k for k in leaf_fields if k.endswith(f"{SEPARATOR}norm")]:
+        _clip_facts(leaf_fields, key, key[: -len("norm")] + "threshold")
+    stats.update(leaf_fields)
+    return stats, inner
+
+
+def _join(prefix: str, segment: str) -> str:
+    return f"{prefix}{SEPARATOR}{segment}" if prefix else segment
+
+
+def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
+    if node is None or _is_nnx_variable(node) or hasattr(node, "dtype"):
+        return
+    if is_clipax_state(node):
+        where = _join(prefix, state_label(type(node)))
+        stats, inner = _state_stats(node)
+        for name, value in stats.items():
+            key = _join(where, name)
+            if key in out:
+                raise ValueError(
+                    f"`clipax.metrics` made the key {key!r} twice; rename the "
+                    "groups or chain entries that give it."
+                )
+            out[key] = value
+        for state in inner:
+            _walk(state, where, out)
+        return
+    cls = type(node)
+    fields = getattr(cls, "_fields", None) if isinstance(node, tuple) else None
+    label = _WRAPPER_LABELS.get(cls.__name__, _snake(_base_name(cls)))
+    for key, child in _children(node):
+        segment = _segment(key)
+        if fields is not None:  # a NamedTuple: a wrapper's inner state(s)
+            segment = label if segment.startswith("inner") else segment
+        _walk(child, _join(prefix, segment), out)
+
+
+def metrics(opt_state: PyTree) -> dict[str, jax.Array]:
+    """Every statistic clipax keeps in an optimizer state, as a flat dict.
+
+    Walks `opt_state` (any pytree: optax's `chain`, `named_chain`,
+    `MultiSteps`, `inject_hyperparams`, `masked`, `partition` /
+    `multi_transform` and `apply_if_finite` states, `clipax.skip_spikes`, an
+    NNX `nnx.Optimizer` or its `opt_state`) and finds every clipax state in it:
+    every NamedTuple whose class is defined in clipax, so a new clipax
+    transformation is covered without registering it. Its scalar fields become
+    entries, and a field holding one scalar per update leaf (`clip_by_norm`'s
+    `norms`, annotated `chex.ArrayTree` in the class) one entry per leaf; a
+    field named `inner_state` is walked for more clipax states. Arrays of more
+    than one element (`autoclip`'s buffer) are left out: every value is a
+    scalar `jax.Array`, taken from the state as it is, so the call is
+    jittable, cheap and never syncs with the host. The dict goes straight
+    into `wandb.log`, a TensorBoard writer or `print` (there, as into any
+    logger, after `jax.device_get`).
+
+    Keys are `/`-separated paths that end with the statistic's own name:
+
+    - where the state sits: a chain entry's index (`0/`), a `named_chain` or
+      `partition` name (`clip/`), `multi_steps/`, `inject_hyperparams/`,
+      `masked/`, `apply_if_finite/` for those wrappers' inner states, and the
+      state's own transformation, named as its factory (`clip_by_global_norm/`,
+      `zclip/`, `skip_spikes/`; a wrapping clipax transformation's inner
+      states follow its name);
+    - for a per-leaf field, the leaf's path in the updates (`dense/kernel/`;
+      `root/` for a single-array tree) and the field's name in singular
+      (`norms` -> `norm`);
+    - the field's name: `norm`, `threshold`, `nonfinite_count`, `mean`,
+      `skipped`, ...
+
+    So two `clip_by_global_norm`s in one chain give `0/clip_by_global_norm/norm`
+    and `2/clip_by_global_norm/norm`, and a chain of `zclip` and a clip gives
+    `0/zclip/norm` beside `1/clip_by_global_norm/norm`. Keys depend only on
+    the structure of the optimizer, never on values: the same keys every step.
+
+    Derived facts are added where a state has a `norm` and a `threshold`
+    (global, or per leaf): `clipped` (bool, whether the last update was
+    clipped: `norm > threshold`) and `clip_factor` (what the updates were
+    multiplied by: `threshold / max(norm, threshold)`, NaN for a non-finite
+    norm). `skip_spikes` keeps `skipped` in its state.
+
+    This is the answer when `optax.tree.get(opt_state, "norm")` raises
+    because two transformations of a chain keep a `norm`.
+
+    Args:
+      opt_state: an optimizer state (any pytree), or an `nnx.Optimizer`.
+
+    Returns:
+      A dict from key to scalar `jax.Array`, ordered as the states sit in
+      `opt_state`; empty when it holds no clipax state.
+
+    Raises:
+      ValueError: if two statistics would get the same key (a `partition`
+        group name or a dict key holding `/`, for example).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import clipax
+      >>> tx = optax.chain(
+      ...     clipax.zclip(warmup_steps=2), clipax.clip_by_global_norm(1.0)
+      ... )
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+      >>> logs = clipax.metrics(state)
+      >>> logs["0/zclip/norm"], logs["1/clip_by_global_norm/norm"]
+      (Array(5., dtype=float32), Array(5., dtype=float32))
+      >>> logs["1/clip_by_global_norm/clipped"]
+      Array(True, dtype=bool)
+      >>> logs["1/clip_by_global_norm/clip_factor"]
+      Array(0.2, dtype=float32)
+    """
+    module = getattr(type(opt_state), "__module__", "") or ""
+    if module.startswith("flax.nnx") and hasattr(opt_state, "opt_state"):
+        opt_state = opt_state.opt_state  # an nnx.Optimizer
+    out: dict[str, jax.Array] = {}
+    _walk(opt_state, "", out)
+    return out
