@@ -18,7 +18,8 @@ The rules, each the whole optimizer a user would write:
 - skip_spikes: `clipax.skip_spikes(chain(clipax.clip_by_global_norm(2.0), sgd))`.
 
 Every step logs `clipax.metrics(opt_state)` (every statistic clipax keeps, as
-a flat dict) under a tqdm progress bar, and the script writes `spikes.png`
+a flat dict) to `spikes_metrics.jsonl`, under a tqdm progress bar, and the
+script writes `spikes.png`
 (loss, pre-clip norm, threshold and skipped steps per rule) and one summary
 line per rule: the loss before the first spike, the worst loss after it, the
 final loss and test accuracy, how many steps were clipped and skipped.
@@ -30,8 +31,9 @@ final loss and test accuracy, how many steps were clipped and skipped.
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from typing import Any
+from typing import Any, TextIO
 
 import _digits
 import jax
@@ -47,6 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 OUTPUT = "spikes.png"
+LOG = "spikes_metrics.jsonl"  # one line per rule and step: clipax.metrics
 BATCH = 64
 LEARNING_RATE = 0.05
 MAX_NORM = 2.0  # the fixed threshold; also AdaGC's warm-up threshold
@@ -87,9 +90,10 @@ def rules(steps: int) -> dict[str, optax.GradientTransformation]:
         "adagc": optax.chain(
             clipax.adagc(warmup_steps=warmup, max_norm=MAX_NORM), sgd()
         ),
-        # skip_spikes (clipax.skip_spikes, the spikes helper's branch): added
-        # here when merged, as
-        # clipax.skip_spikes(optax.chain(clipax.clip_by_global_norm(MAX_NORM), sgd())).
+        "skip_spikes": clipax.skip_spikes(
+            optax.chain(clipax.clip_by_global_norm(MAX_NORM), sgd()),
+            warmup_steps=warmup,
+        ),
     }
 
 
@@ -111,42 +115,37 @@ def break_gradient(grads: Any, kind: jax.Array) -> Any:
 KINDS = {"global": 1, "local": 2, "nan": 3}
 
 
-def read_state(opt_state: Any, raw_norm: jax.Array) -> dict[str, jax.Array]:
-    """What the figure shows, read from the optimizer state: the pre-clip
-    global norm, the threshold as a global norm (NaN where the rule has none),
-    whether the step was clipped (any tensor, for AdaGC) and skipped, and the
-    factor `OTHER_LEAF`'s gradient was scaled by."""
+def read_row(
+    metrics: dict[str, float], opt_state: Any, raw_norm: float
+) -> dict[str, float]:
+    """What the figure shows, from `clipax.metrics` (keys end in the statistic's
+    name): the pre-clip global norm, the threshold as a global norm (NaN where
+    the rule has none; AdaGC's per-tensor thresholds combined), whether the
+    step was clipped (any tensor) and skipped, and the factor `OTHER_LEAF`'s
+    gradient was scaled by."""
 
-    def get(name: str) -> Any:
-        found = optax.tree.get_all_with_path(opt_state, name)
-        return found[0][1] if found else None
+    def ending(suffix: str) -> list[float]:
+        return [v for k, v in metrics.items() if k.endswith(suffix)]
 
-    norm = get("norm")
-    norm = raw_norm if norm is None else norm
-    threshold, clipped = jnp.array(jnp.nan), jnp.array(False)
-    if get("threshold") is not None:  # zclip, autoclip
-        threshold = get("threshold")
-    if isinstance(get("nonfinite_count"), jax.Array):  # fixed threshold
-        threshold = jnp.array(MAX_NORM)
-    clipped = norm > threshold
-    kept = jnp.where(clipped, threshold / norm, 1.0)
-    if get("thresholds") is not None:  # adagc: one threshold per tensor
-        norms, thresholds = get("norms"), get("thresholds")
-        threshold = clipax.tree.global_norm(thresholds)
-        over = jax.tree.map(jnp.greater, norms, thresholds)
-        clipped = jnp.any(jnp.stack(jax.tree.leaves(over)))
-        other = (norms, thresholds)
-        for key in OTHER_LEAF:
-            other = (other[0][key], other[1][key])
-        kept = jnp.minimum(1.0, other[1] / other[0])
-    skipped = get("last_finite")  # optax.apply_if_finite
-    skipped = jnp.array(False) if skipped is None else ~skipped
+    norms = ending("/norm")
+    norm = norms[0] if norms else raw_norm  # the outermost: the global one
+    thresholds = ending("/threshold")
+    threshold = math.nan
+    if len(thresholds) == 1:
+        threshold = thresholds[0]
+    elif thresholds:  # adagc: one per tensor
+        threshold = math.sqrt(sum(t * t for t in thresholds))
+    other = "/".join(OTHER_LEAF) + "/clip_factor"
+    factors = ending(other) or ending("/clip_factor") or [1.0]
+    skipped = bool(ending("/skipped") and ending("/skipped")[0])
+    for _, last_finite in optax.tree.get_all_with_path(opt_state, "last_finite"):
+        skipped = not bool(last_finite)  # optax.apply_if_finite's own state
     return {
         "norm": norm,
         "threshold": threshold,
-        "clipped": clipped,
+        "clipped": any(ending("/clipped")),
         "skipped": skipped,
-        "kept": kept,
+        "kept": 0.0 if skipped else factors[0],
     }
 
 
@@ -156,8 +155,10 @@ def train(
     data: tuple[np.ndarray, ...],
     schedule: dict[int, str],
     steps: int,
+    log: TextIO,
 ) -> dict[str, np.ndarray]:
-    """Trains the MLP with `tx`; returns the per-step curves and test accuracy."""
+    """Trains the MLP with `tx`, writing `clipax.metrics(opt_state)` to `log`
+    every step; returns the per-step curves and the test accuracy."""
     x_train, y_train, x_test, y_test = data
     model = _digits.MLP(features=(64, 64))
     params = model.init(jax.random.key(0), x_train[:1])
@@ -180,19 +181,19 @@ def train(
     accuracy_before_nan = math.nan
     bar = tqdm(range(steps), desc=f"{name:>15}", unit="step", mininterval=0.5)
     for t in bar:
-        if t == nan_step:
+        if t == nan_step:  # the model as it was before the NaN step
             logits = model.apply(params, x_test)
             accuracy_before_nan = float(_digits.accuracy(logits, y_test))
         x, y = next(batches)
         kind = KINDS.get(schedule.get(t, ""), 0)
         params, opt_state, loss, raw_norm = step(params, opt_state, x, y, kind)
-        row = {"loss": loss, **read_state(opt_state, raw_norm)}
-        # METRICS: `clipax.metrics(opt_state)` (the spikes branch) is logged
-        # here, every step, once merged.
+        metrics = {k: float(v) for k, v in clipax.metrics(opt_state).items()}
+        log.write(json.dumps({"rule": name, "step": t, **metrics}) + "\n")
+        row = {"loss": float(loss), **read_row(metrics, opt_state, float(raw_norm))}
         for key, value in row.items():
-            curves.setdefault(key, []).append(np.asarray(value))
+            curves.setdefault(key, []).append(value)
         bar.set_postfix(loss=f"{float(loss):.3g}", norm=f"{float(row['norm']):.3g}")
-    result = {k: np.stack(v) for k, v in curves.items()}
+    result = {k: np.asarray(v) for k, v in curves.items()}
     result["accuracy_before_nan"] = np.asarray(accuracy_before_nan)
     result["accuracy"] = np.asarray(
         _digits.accuracy(model.apply(params, x_test), y_test)
@@ -300,14 +301,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
     steps = parser.parse_args(argv).steps
     data = _digits.load()
     schedule = spike_schedule(steps)
-    runs = {
-        name: train(name, tx, data, schedule, steps)
-        for name, tx in rules(steps).items()
-    }
+    with open(LOG, "w") as log:
+        runs = {
+            name: train(name, tx, data, schedule, steps, log)
+            for name, tx in rules(steps).items()
+        }
     for name, run in runs.items():
         tqdm.write(summary(name, run, schedule))
     plot(runs, schedule)
-    tqdm.write(f"wrote {OUTPUT}")
+    tqdm.write(f"wrote {OUTPUT} and {LOG}")
     return runs
 
 
