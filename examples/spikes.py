@@ -24,7 +24,7 @@ script writes `spikes.png`
 line per rule: the loss before the first spike, the worst loss after it, the
 final loss and test accuracy, how many steps were clipped and skipped.
 
-    python examples/spikes.py              # 7 x 400 steps, ~30 s on a CPU
+    python examples/spikes.py              # 7 x 400 steps, ~45 s on a CPU
     python examples/spikes.py --steps 60   # smoke run
 """
 
