@@ -271,3 +271,21 @@ def test_traced_warmup_steps_asks_for_static_args():
     tx = optax.inject_hyperparams(clipax.adagc)(warmup_steps=3)
     with pytest.raises(TypeError, match=r"`warmup_steps` got a traced value"):
         jax.jit(tx.init)({"a": jnp.ones(2)})
+
+
+def test_metrics_report_every_leaf_statistic():
+    tx = optax.chain(clipax.adagc(warmup_steps=1, max_norm=math.inf), optax.sgd(0.1))
+    tree = {"a": np.ones(4, np.float32), "b": np.full(2, 9.0, np.float32), "n": None}
+    _, states = run_updates(tx, [tree, tree, jax.tree.map(lambda x: 3 * x, tree)])
+    logged = jax.jit(clipax.metrics)(states[-1])
+    inner = states[-1][0]
+    for leaf in ("a", "b"):
+        for stat, tree_of in (("ema", inner.ema), ("norm", inner.norms)):
+            np.testing.assert_allclose(logged[f"0/adagc/{leaf}/{stat}"], tree_of[leaf])
+        np.testing.assert_allclose(
+            logged[f"0/adagc/{leaf}/threshold"], inner.thresholds[leaf]
+        )
+        assert float(logged[f"0/adagc/{leaf}/clipped"]) == 1.0  # 3x: clipped
+    assert not any("/n/" in key for key in logged)  # None leaves stay empty
+    np.testing.assert_allclose(logged["0/adagc/norm"], inner.norm)
+    assert int(logged["0/adagc/count"]) == 3
