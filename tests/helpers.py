@@ -90,6 +90,18 @@ def assert_compiles_once(step: Any, *args: Any, calls: int = 3) -> Any:
     return out
 
 
+def state_after_compiled_steps(tx: Any, tree: Any, calls: int = 8) -> Any:
+    """Runs `tx.update` `calls` times under one `jax.jit`, each step's updates
+    (scaled by 1.5) being the next step's gradients; asserts that it traced and
+    compiled once, and returns the last state."""
+
+    def step(grads: Any, state: Any) -> Any:
+        updates, state = tx.update(grads, state)
+        return jax.tree.map(lambda u: 1.5 * u, updates), state
+
+    return assert_compiles_once(step, tree, tx.init(tree), calls=calls)[1]
+
+
 def spike_norms(steps: int = 90, spike_at: int = 50, seed: int = 0) -> np.ndarray:
     """A global-norm sequence like a training run's, with a loss spike.
 

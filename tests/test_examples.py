@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 from pathlib import Path
@@ -109,3 +110,50 @@ def test_nnx_logging(tmp_path: Path) -> None:
     assert all(0 <= f <= 100 for f in fractions)
     overall = int(re.search(r"^clipped steps overall: (\d+)% of 40$", out, re.M)[1])
     assert overall == round(sum(fractions) / len(fractions))
+
+
+SPIKE_RULES = {
+    "no clipping",
+    "fixed",
+    "apply_if_finite",
+    "zclip",
+    "autoclip",
+    "adagc",
+    "skip_spikes",
+}
+SPIKE_LINE = re.compile(
+    r"^\s*(?P<name>[\w ]+): loss before spikes\s+(?P<before>\S+), after them\s+"
+    r"(?P<after>\S+), others kept\s+(?P<kept>\S+) at the local spike; test "
+    r"accuracy before NaN (?P<acc>\S+), final (?P<final>\S+); clipped\s+"
+    r"(?P<clipped>\d+) steps, skipped\s+(?P<skipped>\d+)$",
+    re.MULTILINE,
+)
+
+
+def test_spikes(tmp_path: Path) -> None:
+    out = run_example("spikes.py", "--steps", "60", cwd=tmp_path)
+    runs = {m["name"]: m for m in SPIKE_LINE.finditer(out)}
+    assert set(runs) == SPIKE_RULES, out
+    # Unclipped, the x100 spikes ruin the run; every clipping rule survives them.
+    for name in ("fixed", "zclip", "autoclip", "adagc", "skip_spikes"):
+        assert float(runs[name]["after"]) < float(runs["no clipping"]["after"]) / 10
+        assert float(runs[name]["acc"]) > 0.5
+    # apply_if_finite skips the NaN step only; skip_spikes skips it too, and
+    # is the one run that ends with a trained model.
+    assert int(runs["apply_if_finite"]["skipped"]) == 1
+    assert int(runs["skip_spikes"]["skipped"]) >= 1
+    assert float(runs["skip_spikes"]["final"]) > 0.5
+    for name in SPIKE_RULES - {"skip_spikes", "apply_if_finite"}:
+        assert int(runs[name]["skipped"]) == 0
+    # Every step of every rule is logged with clipax.metrics.
+    lines = (tmp_path / "spikes_metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 60 * len(SPIKE_RULES)
+    adagc = [r for r in rows if r["rule"] == "adagc"][-1]
+    assert any(k.endswith("kernel/ema") for k in adagc)
+    # At the one-tensor spike, AdaGC keeps the other tensors' update; the
+    # global rules scale it down with the spiked tensor.
+    for name in ("fixed", "zclip", "autoclip"):
+        assert float(runs[name]["kept"]) < 0.05
+        assert float(runs["adagc"]["kept"]) > 20 * float(runs[name]["kept"])
+    assert_png(tmp_path / "spikes.png")

@@ -328,8 +328,9 @@ def test_gspmd_only_scalar_all_reduces(mesh: jax.sharding.Mesh, ord: float) -> N
     [
         lambda **kw: clipax.autoclip(50.0, history=4, **kw),
         lambda **kw: clipax.zclip(warmup_steps=2, **kw),
+        lambda **kw: clipax.adagc(warmup_steps=2, max_norm=20.0, **kw),
     ],
-    ids=["autoclip", "zclip"],
+    ids=["autoclip", "zclip", "adagc"],
 )
 @pytest.mark.devices(8)
 def test_adaptive_rules_in_shard_map_equal_one_device(

@@ -1,14 +1,16 @@
 """clipax: gradient clipping for JAX.
 
 Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
-ZClip, AGC, block RMS, per-example DP clipping), as Optax transformations and as
-pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
+ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations
+and as pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
 sharding-ready, with the pre-clip norm and the clipping statistics in opt_state.
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
 from clipax import tree as tree
+from clipax._adagc import AdaGCState as AdaGCState
+from clipax._adagc import adagc as adagc
 from clipax._agc import adaptive_grad_clip as adaptive_grad_clip
 from clipax._autoclip import AutoClipState as AutoClipState
 from clipax._autoclip import autoclip as autoclip
@@ -34,6 +36,7 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 __all__ = [
+    "AdaGCState",
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
@@ -41,6 +44,7 @@ __all__ = [
     "SkipSpikesState",
     "ZClipState",
     "__version__",
+    "adagc",
     "adaptive_grad_clip",
     "autoclip",
     "clip",

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _adaptive, _common
 
 DIV_EPS = 1e-6  # optax's floor on the update norm in the division; never binds
 NO_PARAMS = (
@@ -56,8 +56,18 @@ def _axis_message(error: ValueError) -> str:
     return str(error).replace("`axes`", "`axis`")
 
 
-def _unit_norm(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    return _common.safe_root(_common.power_sum(x, 2.0, axes), 2.0)
+def _clip_unit(
+    g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, clipping: Any, eps: Any
+) -> jax.Array:
+    """Each unit of `g` scaled down to `clipping * max(|w|, eps)` if above it."""
+    limit = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
+        w_norm, jnp.asarray(eps, g_norm.dtype)
+    )
+    # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN.
+    ratio = jnp.maximum(limit, 0) / jnp.maximum(g_norm, DIV_EPS)
+    scale = jnp.where(g_norm < limit, 1, ratio)
+    scale = jnp.where(jnp.isfinite(g_norm), scale, jnp.nan)
+    return _common.apply_scale(g, scale.astype(g_norm.dtype))
 
 
 def _check_eps(eps: Any) -> None:
@@ -131,16 +141,7 @@ def adaptive_grad_clip(
     except ValueError as error:  # the shared message names `axes`
         raise ValueError(_axis_message(error)) from None
 
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        for path, leaf in _common.check_norm_leaves(params, "adaptive_grad_clip"):
-            unit_axes(axes, path, leaf.shape)
-        return optax.EmptyState()
-
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.EmptyState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
+    def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
         if params is None:
             raise ValueError(NO_PARAMS)
         updates, params = _common.as_arrays(updates), _common.as_arrays(params)
@@ -157,20 +158,16 @@ def adaptive_grad_clip(
                     f"{getattr(w, 'shape', w)!r}."
                 )
             reduce = unit_axes(axes, path, g.shape)
-            g_norm = _unit_norm(g, reduce)
-            w_norm = _unit_norm(w, reduce).astype(g_norm.dtype)
-            limit = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
-                w_norm, jnp.asarray(eps, g_norm.dtype)
+            g_norm, w_norm = _adaptive.unit_norms(
+                [jnp.asarray(g), jnp.asarray(w)], [reduce, reduce]
             )
-            # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN.
-            ratio = jnp.maximum(limit, 0) / jnp.maximum(g_norm, DIV_EPS)
-            scale = jnp.where(g_norm < limit, 1, ratio)
-            scale = jnp.where(jnp.isfinite(g_norm), scale, jnp.nan)
-            return _common.apply_scale(g, scale.astype(g_norm.dtype))
+            return _clip_unit(g, g_norm, w_norm.astype(g_norm.dtype), clipping, eps)
 
-        clipped = jax.tree_util.tree_map_with_path(
+        return jax.tree_util.tree_map_with_path(
             clip_leaf, updates, params, is_leaf=_is_empty
         )
-        return clipped, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def check_leaf(path: _common.KeyPath, leaf: Any) -> None:
+        unit_axes(axes, path, leaf.shape)
+
+    return _adaptive.stateless("adaptive_grad_clip", clip, check_leaf)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import numbers
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
-from clipax._reduce import AxisName, normalize_axis_name
-from clipax.tree import _global_norm
+from clipax import _adaptive, _common
+from clipax._reduce import AxisName
 
 
 class AutoClipState(NamedTuple):
@@ -59,26 +57,17 @@ def _check_percentile(percentile: Any) -> None:
         raise ValueError(f"`percentile` must be {accepted}; got {percentile!r}.")
 
 
-def check_count(name: str, value: Any) -> int:
-    """A concrete int >= 1 (a Python or NumPy int), returned as an int.
-
-    Raises:
-      TypeError: if `value` is traced (it sets a shape).
-      ValueError: if `value` is not an int >= 1.
-    """
-    if _common.is_traced(value):
-        raise TypeError(f"`{name}` got a traced value; {_common.STATIC_HINT}.")
-    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
-        isinstance(value, (jax.Array, np.ndarray))
-        and value.ndim == 0
-        and jnp.issubdtype(value.dtype, jnp.integer)
-    )
-    if integer_array:
-        value = int(value)
-    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not valid or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1; got {value!r}.")
-    return int(value)
+def autoclip_rule(
+    stats: _adaptive.Stats, norm: jax.Array, count: jax.Array, *, percentile: ArrayLike
+) -> tuple[jax.Array, _adaptive.Stats]:
+    """AutoClip's rule: the norm joins the ring buffer (slot `count % history`);
+    the threshold is the percentile of the norms recorded so far, this one
+    included."""
+    buffer = stats["buffer"]
+    size = buffer.shape[0]
+    buffer = buffer.at[count % size].set(norm)
+    taken = jnp.clip(optax.safe_int32_increment(count), 1, size)
+    return masked_percentile(buffer, taken, percentile), {"buffer": buffer}
 
 
 def autoclip(
@@ -154,43 +143,14 @@ def autoclip(
       Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020.
     """
     _check_percentile(percentile)
-    size = check_count("history", history)
+    size = _adaptive.check_count("history", history)
     p = _common.check_ord(ord)
-    normalize_axis_name(axis_name)
-
-    def init_fn(params: optax.Params) -> AutoClipState:
-        flat = _common.check_norm_leaves(params, "autoclip")
-        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
-        return AutoClipState(
-            buffer=jnp.zeros((size,), dtype),
-            count=jnp.zeros((), jnp.int32),
-            norm=jnp.zeros((), dtype),
-            threshold=jnp.full((), jnp.inf, dtype),
-        )
-
-    def update_fn(
-        updates: optax.Updates,
-        state: AutoClipState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, AutoClipState]:
-        del params
-        dtype = state.norm.dtype
-        norm = _global_norm.global_norm(
-            updates, ord=p, axis_name=axis_name, specs=specs
-        ).astype(dtype)
-        finite = jnp.isfinite(norm)
-        slot = state.count % size
-        buffer = jnp.where(finite, state.buffer.at[slot].set(norm), state.buffer)
-        count = jnp.where(finite, optax.safe_int32_increment(state.count), state.count)
-        taken = jnp.clip(count, 1, size)
-        threshold = jnp.where(
-            finite, masked_percentile(buffer, taken, percentile), state.threshold
-        )
-        scale = _common.clip_scale(norm, threshold)
-        clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
-        new_state = AutoClipState(
-            buffer=buffer, count=count, norm=norm, threshold=threshold
-        )
-        return clipped, new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _adaptive.transformation(
+        "autoclip",
+        AutoClipState,
+        lambda dtype: {"buffer": jnp.zeros((size,), dtype)},
+        functools.partial(autoclip_rule, percentile=percentile),
+        ord=p,
+        axis_name=axis_name,
+        specs=specs,
+    )

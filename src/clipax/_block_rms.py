@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _adaptive, _common
 
 
-def _clip_leaf(x: jax.Array, threshold: ArrayLike) -> jax.Array:
-    if x.size == 0:
-        return x
-    rms = _common.safe_root(_common.power_sum(x, 2.0) / x.size, 2.0)
-    return _common.apply_scale(x, _common.clip_scale(rms, threshold))
+def _clip_tree(updates: optax.Updates, threshold: ArrayLike) -> optax.Updates:
+    flat = _common.check_norm_leaves(updates, "clip_by_block_rms")
+    leaves = [jnp.asarray(x) for _, x in flat]
+    norms = _adaptive.unit_norms(leaves, [tuple(range(x.ndim)) for x in leaves])
+    clipped = [
+        _common.apply_scale(
+            x, _common.clip_scale(n / math.sqrt(max(x.size, 1)), threshold)
+        )
+        for x, n in zip(leaves, norms, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(updates), clipped)
 
 
 def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
@@ -23,12 +31,12 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
     Equal to `optax.clip_by_block_rms` on the same inputs: a block is a leaf
     (a weight vector, matrix or kernel), its RMS is `sqrt(mean(|u|**2))`, and a
     leaf whose RMS exceeds `threshold` is multiplied by `threshold / rms`. With
-    clipax's rules: the mean of squares is accumulated in float32 (float64 for
-    float64 leaves) and each leaf keeps its dtype; a leaf whose RMS is NaN or
-    inf comes back all NaN; a leaf of size 0, None and `optax.MaskedNode` come
-    back as they are. It is the per-leaf rule of `clipax.clip_by_norm` with
-    the threshold scaled by `sqrt(size)`, so large and small leaves are held to
-    the same per-entry size.
+    clipax's rules: the RMS is the leaf's exact norm (clipax's engine, float32,
+    float64 for float64 leaves) over `sqrt(size)`, and each leaf keeps its
+    dtype; a leaf whose RMS is NaN or inf comes back all NaN; a leaf of size 0,
+    None and `optax.MaskedNode` come back as they are. It is the per-leaf rule
+    of `clipax.clip_by_norm` with the threshold scaled by `sqrt(size)`, so large
+    and small leaves are held to the same per-entry size.
 
     Args:
       threshold: the largest RMS allowed for each leaf: a positive scalar,
@@ -53,19 +61,6 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
       (Array([ 1., -1.,  1., -1.], dtype=float32), Array([0.5], dtype=float32))
     """
     _common.check_max_norm("threshold", threshold)
-
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        _common.check_norm_leaves(params, "clip_by_block_rms")
-        return optax.EmptyState()
-
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.EmptyState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
-        del params
-        _common.check_norm_leaves(updates, "clip_by_block_rms")
-        clipped = jax.tree.map(lambda x: _clip_leaf(jnp.asarray(x), threshold), updates)
-        return clipped, state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _adaptive.stateless(
+        "clip_by_block_rms", lambda updates, _: _clip_tree(updates, threshold)
+    )

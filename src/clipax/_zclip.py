@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -9,10 +10,8 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
-from clipax._autoclip import check_count
-from clipax._reduce import AxisName, normalize_axis_name
-from clipax.tree import _global_norm
+from clipax import _adaptive
+from clipax._reduce import AxisName
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
 MODES = ("adaptive", "std")
@@ -30,22 +29,53 @@ class ZClipState(NamedTuple):
     warmup_norms: jax.Array  # float32 [warmup_steps]: the warmup norms, in order
 
 
-def _check_open_unit(name: str, value: Any) -> None:
-    if _common.is_traced(value):
-        return
-    accepted = "a real number strictly between 0 and 1"
-    array = _common.concrete_real(name, value, accepted)
-    if array.ndim != 0 or not 0 < array < 1:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+def zclip_rule(
+    stats: _adaptive.Stats,
+    norm: jax.Array,
+    count: jax.Array,
+    *,
+    alpha: ArrayLike,
+    z_threshold: ArrayLike,
+    mode: str,
+) -> tuple[jax.Array, _adaptive.Stats]:
+    """ZClip's rule (steps 1 to 3 of `zclip`'s docstring), for one global norm."""
+    mean, variance, warm = stats["mean"], stats["variance"], stats["warmup_norms"]
+    dtype = mean.dtype
+    a = jnp.asarray(alpha, dtype)
+    zt = jnp.asarray(z_threshold, dtype)
+    warmup = warm.shape[0]
+    warming = count < warmup
 
+    # Warmup: record the norm; the last warmup step starts the statistics.
+    recorded = warm.at[jnp.minimum(count, warmup - 1)].set(norm)
+    warm = jnp.where(warming, recorded, warm)
+    start_mean = jnp.mean(warm)
+    start_var = jnp.mean(jnp.square(warm - start_mean))
+    ends_warmup = warming & (count == warmup - 1)
 
-def _check_positive(name: str, value: Any) -> None:
-    if _common.is_traced(value):
-        return
-    accepted = "a finite real number > 0"
-    array = _common.concrete_real(name, value, accepted)
-    if array.ndim != 0 or not 0 < array < jnp.inf:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    # After warmup: z-score test, clip, EMA of the clipped norm.
+    std = jnp.sqrt(variance)
+    z = (norm - mean) / (std + EPS)
+    over = ~warming & (z > zt)
+    safe_z = jnp.where(over, z, 1)
+    if mode == "adaptive":
+        limit = mean + jnp.square(zt) / safe_z * std
+    else:
+        limit = mean + zt * std
+    seen = jnp.where(over, limit, norm)
+    ema_mean = a * mean + (1 - a) * seen
+    ema_var = a * variance + (1 - a) * jnp.square(seen - ema_mean)
+
+    new_stats = {
+        "mean": jnp.where(warming, jnp.where(ends_warmup, start_mean, 0), ema_mean),
+        "variance": jnp.where(warming, jnp.where(ends_warmup, start_var, 0), ema_var),
+        "warmup_norms": warm,
+    }
+    # Not clipped: the norm above which it would have been (never below the
+    # norm itself, whatever the rounding of the z-score test).
+    bound = jnp.maximum(mean + zt * (std + EPS), norm)
+    threshold = jnp.where(warming, jnp.inf, jnp.where(over, limit, bound))
+    return threshold, new_stats
 
 
 def zclip(
@@ -138,81 +168,23 @@ def zclip(
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
       <https://arxiv.org/abs/2504.02507>`_, 2025.
     """
-    _check_open_unit("alpha", alpha)
-    _check_positive("z_threshold", z_threshold)
-    normalize_axis_name(axis_name)
-    warmup = check_count("warmup_steps", warmup_steps)
+    _adaptive.check_open_unit("alpha", alpha)
+    _adaptive.check_positive("z_threshold", z_threshold)
+    warmup = _adaptive.check_count("warmup_steps", warmup_steps)
     if mode not in MODES:
         raise ValueError(f'`mode` must be "adaptive" or "std"; got {mode!r}.')
 
-    def init_fn(params: optax.Params) -> ZClipState:
-        flat = _common.check_norm_leaves(params, "zclip")
-        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+    def init_stats(dtype: Any) -> _adaptive.Stats:
         zero = jnp.zeros((), dtype)
-        return ZClipState(
-            mean=zero,
-            variance=zero,
-            count=jnp.zeros((), jnp.int32),
-            norm=zero,
-            threshold=jnp.full((), jnp.inf, dtype),
-            warmup_norms=jnp.zeros((warmup,), dtype),
-        )
+        return {
+            "mean": zero,
+            "variance": zero,
+            "warmup_norms": jnp.zeros((warmup,), dtype),
+        }
 
-    def update_fn(
-        updates: optax.Updates,
-        state: ZClipState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, ZClipState]:
-        del params
-        dtype = state.norm.dtype
-        a = jnp.asarray(alpha, dtype)
-        zt = jnp.asarray(z_threshold, dtype)
-        # The one global norm of the step: `axis_name` / `specs` would go here.
-        norm = _global_norm.global_norm(
-            updates, axis_name=axis_name, specs=specs
-        ).astype(dtype)
-        finite = jnp.isfinite(norm)
-        warming = state.count < warmup
-
-        # Warmup: record the norm; the last warmup step starts the statistics.
-        slot = jnp.minimum(state.count, warmup - 1)
-        recorded = state.warmup_norms.at[slot].set(norm)
-        warm_norms = jnp.where(warming & finite, recorded, state.warmup_norms)
-        start_mean = jnp.mean(warm_norms)
-        start_var = jnp.mean(jnp.square(warm_norms - start_mean))
-        ends_warmup = warming & (state.count == warmup - 1)
-
-        # After warmup: z-score test, clip, EMA of the clipped norm.
-        std = jnp.sqrt(state.variance)
-        z = (norm - state.mean) / (std + EPS)
-        over = ~warming & (z > zt)
-        safe_z = jnp.where(over, z, 1)
-        if mode == "adaptive":
-            limit = state.mean + jnp.square(zt) / safe_z * std
-        else:
-            limit = state.mean + zt * std
-        clip_to = jnp.where(over, limit, jnp.inf)
-        seen = jnp.where(over, limit, norm)
-        ema_mean = a * state.mean + (1 - a) * seen
-        ema_var = a * state.variance + (1 - a) * jnp.square(seen - ema_mean)
-
-        mean = jnp.where(warming, jnp.where(ends_warmup, start_mean, 0), ema_mean)
-        variance = jnp.where(warming, jnp.where(ends_warmup, start_var, 0), ema_var)
-        threshold = jnp.where(
-            warming, jnp.inf, jnp.where(over, limit, state.mean + zt * (std + EPS))
-        )
-        scale = _common.clip_scale(norm, clip_to)
-        clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
-        new_state = ZClipState(
-            mean=jnp.where(finite, mean, state.mean).astype(dtype),
-            variance=jnp.where(finite, variance, state.variance).astype(dtype),
-            count=jnp.where(
-                finite, optax.safe_int32_increment(state.count), state.count
-            ),
-            norm=norm,
-            threshold=jnp.where(finite, threshold, state.threshold).astype(dtype),
-            warmup_norms=warm_norms,
-        )
-        return clipped, new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    rule = functools.partial(
+        zclip_rule, alpha=alpha, z_threshold=z_threshold, mode=mode
+    )
+    return _adaptive.transformation(
+        "zclip", ZClipState, init_stats, rule, axis_name=axis_name, specs=specs
+    )

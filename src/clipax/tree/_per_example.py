@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _adaptive, _common
 
 CLIP_ACCEPTED = (
     f"a scalar >= 0 ({_common.THRESHOLD_TYPES}); inf means no clipping, 0 "
@@ -48,9 +48,12 @@ def _batched_leaves(grads: chex.ArrayTree, fn_name: str) -> list[Any]:
     return [leaf for _, leaf in flat]
 
 
-def _example_power_sums(x: jax.Array) -> jax.Array:
-    """Each example's sum of squares, shape [batch], float32 or wider."""
-    return _common.power_sum(x, 2.0, tuple(range(1, x.ndim))).reshape(x.shape[0])
+def _example_norms(leaves: list[jax.Array]) -> list[jax.Array]:
+    """Each leaf's per-example L2 norms, shape [batch] each, float32 or wider:
+    exact, from the engine, in one pass over each leaf."""
+    axes = [tuple(range(1, x.ndim)) for x in leaves]
+    norms = _adaptive.unit_norms([jnp.asarray(x) for x in leaves], axes)
+    return [n.reshape(x.shape[0]) for n, x in zip(norms, leaves, strict=True)]
 
 
 def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
@@ -126,8 +129,8 @@ def per_example_global_norm_clip(
     if not leaves:
         return grads, jnp.zeros((), jnp.int32)
     dtype = _common.tree_accum_dtype(leaves)
-    total = sum(_example_power_sums(x).astype(dtype) for x in leaves)
-    norms = _common.safe_root(jnp.asarray(total), 2.0)
+    per_leaf = jnp.stack([n.astype(dtype) for n in _example_norms(leaves)])
+    norms = _adaptive.combined_norm(per_leaf)
     scales, num_clipped = _scales(norms, l2_norm_clip)
     summed = jax.tree.map(lambda x: _weighted_sum(scales, x), grads)
     return summed, num_clipped
@@ -197,8 +200,7 @@ def per_example_layer_norm_clip(
         total_size = sum(sizes)
         shares = [size / total_size if total_size else 0.0 for size in sizes]
     summed, counts = [], []
-    for x, share in zip(leaves, shares, strict=True):
-        norms = _common.safe_root(_example_power_sums(x), 2.0)
+    for x, share, norms in zip(leaves, shares, _example_norms(leaves), strict=True):
         clip = jnp.asarray(global_l2_norm_clip, norms.dtype) * share**0.5
         scales, num_clipped = _scales(norms, clip)
         summed.append(_weighted_sum(scales, x))

@@ -1,0 +1,280 @@
+"""The adaptive family: one shape for every rule that learns its threshold.
+
+A rule is a pure function of the statistics it keeps and the norm it sees:
+
+    rule(stats, norm, count) -> (threshold, new_stats)
+
+- `stats`: the rule's own statistics, a dict of arrays (AutoClip's ring buffer,
+  ZClip's mean and variance, AdaGC's EMA);
+- `norm`: the pre-clip norm of this step: a scalar for a global rule (one norm
+  for the whole update), a vector with one entry per leaf for a per-tensor rule;
+- `count`: an int32 scalar, how many steps the statistics have seen (warm-ups
+  read it);
+- `threshold`: the shape of `norm`, the norm each unit is clipped to: `inf`
+  lets it pass, NaN makes it all NaN.
+
+Each rule is tested on its own against its paper's formula. `transformation`
+makes an Optax transformation of a rule and does the parts every rule shares,
+once: the norms through the engine (`clipax._reduce`, exact, with `specs` /
+`axis_name` for sharded leaves), the state's `count`, `norm` and threshold
+fields, the NaN rule (a unit whose norm is NaN or inf keeps its statistics and
+comes out NaN; the count advances only on a step whose norms are all finite),
+and the clipping itself, TensorFlow's formula `x * t / max(norm, t)`.
+
+To add a rule: write its `NamedTuple` state (its statistics, then `count`,
+`norm` and `threshold`, or `norms` and `thresholds` per leaf), its initial
+statistics, and its rule; the factory checks the arguments and returns
+`transformation(...)`. `zclip` in `_zclip.py` is the model to copy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from clipax import _common, _reduce
+
+Stats = dict[str, jax.Array]
+Rule = Callable[[Stats, jax.Array, jax.Array], tuple[jax.Array, Stats]]
+InitStats = Callable[[np.dtype], Stats]
+
+
+# Arguments shared by the rules.
+
+
+def check_count(name: str, value: Any, minimum: int = 1) -> int:
+    """A concrete int >= `minimum` (a Python or NumPy int), returned as an int.
+
+    Raises:
+      TypeError: if `value` is traced (it sets a shape or a schedule).
+      ValueError: if `value` is not an int >= `minimum`.
+    """
+    if _common.is_traced(value):
+        raise TypeError(f"`{name}` got a traced value; {_common.STATIC_HINT}.")
+    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    )
+    if integer_array:
+        value = int(value)
+    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not valid or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; got {value!r}.")
+    return int(value)
+
+
+def check_open_unit(name: str, value: Any) -> None:
+    """A real number strictly between 0 and 1, unless traced."""
+    if _common.is_traced(value):
+        return
+    accepted = "a real number strictly between 0 and 1"
+    array = _common.concrete_real(name, value, accepted)
+    if array.ndim != 0 or not 0 < array < 1:  # also catches NaN
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+
+
+def check_positive(name: str, value: Any) -> None:
+    """A finite real number > 0, unless traced."""
+    if _common.is_traced(value):
+        return
+    accepted = "a finite real number > 0"
+    array = _common.concrete_real(name, value, accepted)
+    if array.ndim != 0 or not 0 < array < math.inf:  # also catches NaN
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+
+
+# Numerics shared by the rules.
+
+
+def combined_norm(norms: jax.Array) -> jax.Array:
+    """The L2 norm of norms along axis 0 (the global norm of their leaves).
+
+    Scaled by the largest entry, so it neither overflows nor underflows where
+    the entries do not; NaN if an entry is NaN, else inf if one is inf.
+    """
+    if norms.shape[0] == 0:
+        return jnp.zeros(norms.shape[1:], norms.dtype)
+    peak = jnp.max(norms, axis=0)
+    usable = jnp.isfinite(peak) & (peak > 0)
+    unit = jnp.where(usable, peak, jnp.ones_like(peak))
+    total = unit * jnp.sqrt(jnp.sum(jnp.square(norms / unit), axis=0))
+    return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
+
+
+def clip_factor(norm: jax.Array, threshold: jax.Array) -> jax.Array:
+    """`clipax`'s clip factor `t / max(norm, t)`, NaN when `t` is NaN."""
+    scale = _common.clip_scale(norm, threshold)
+    return jnp.where(jnp.isnan(threshold), jnp.nan, scale).astype(norm.dtype)
+
+
+# The transformation every rule shares.
+
+
+def _leaf_norms(leaves: list[jax.Array], placements: Any, dtype: np.dtype) -> jax.Array:
+    """Each leaf's exact L2 norm (of the whole tensor, on every device), stacked."""
+    if not leaves:
+        return jnp.zeros((0,), dtype)
+    axes = [tuple(range(x.ndim)) for x in leaves]
+    norms = _reduce.slice_norms(leaves, axes, placements)
+    # The barrier keeps XLA from fusing every leaf's reduction into the rule's
+    # vector arithmetic: without it, compile time grows steeply with the
+    # number of leaves (minutes at 100 leaves on CPU).
+    norms = jax.lax.optimization_barrier(norms)
+    return jnp.stack([n.reshape(()).astype(dtype) for n in norms])
+
+
+def _stacked(tree: Any, dtype: np.dtype) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return jnp.stack(leaves) if leaves else jnp.zeros((0,), dtype)
+
+
+def transformation(
+    fn_name: str,
+    state_cls: Any,
+    init_stats: InitStats,
+    rule: Rule,
+    *,
+    per_leaf: bool = False,
+    ord: float = 2.0,
+    axis_name: _reduce.AxisName = None,
+    specs: Any = None,
+) -> optax.GradientTransformation:
+    """An Optax transformation that clips the updates by `rule`.
+
+    Args:
+      fn_name: the public name, for error messages.
+      state_cls: the state NamedTuple. A global rule's has the fields of
+        `init_stats`, `count`, `norm` and `threshold`; a per-leaf rule's has
+        the fields of `init_stats` (each a tree with a scalar per leaf),
+        `count`, `norm` (the global norm), `norms` and `thresholds` (trees).
+      init_stats: the statistics before the first step, given the dtype they
+        are kept in: the arrays of a global rule, or one unit's scalars for a
+        per-leaf rule (every leaf starts from them).
+      rule: `rule(stats, norm, count) -> (threshold, new_stats)`.
+      per_leaf: whether each leaf is clipped by its own norm (else all leaves
+        by their global norm).
+      ord: the global norm's order (global rules only).
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
+        split over (see `clipax.tree.global_norm`).
+      specs: inside `shard_map`, the `in_specs` of the updates.
+    """
+    _reduce.normalize_axis_name(axis_name)
+
+    def init_fn(params: optax.Params) -> Any:
+        flat = _common.check_norm_leaves(params, fn_name)
+        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+        count = jnp.zeros((), jnp.int32)
+        norm = jnp.zeros((), dtype)
+        stats = init_stats(dtype)
+        if not per_leaf:
+            threshold = jnp.full((), jnp.inf, dtype)
+            return state_cls(**stats, count=count, norm=norm, threshold=threshold)
+
+        def per_leaf_tree(value: Any) -> Any:
+            return jax.tree.map(lambda _: jnp.asarray(value, dtype), params)
+
+        return state_cls(
+            **{name: per_leaf_tree(value) for name, value in stats.items()},
+            count=count,
+            norm=norm,
+            norms=per_leaf_tree(0),
+            thresholds=per_leaf_tree(jnp.inf),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: Any, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, Any]:
+        del params
+        dtype = state.norm.dtype
+        flat = _common.check_norm_leaves(updates, fn_name)
+        leaves = [leaf for _, leaf in flat]
+        placements = None
+        if axis_name is not None or specs is not None:
+            placements = _reduce.leaf_placements(flat, specs, axis_name)
+        names = [name for name in state_cls._fields if name not in _SHARED_FIELDS]
+        if per_leaf:
+            norm = _leaf_norms(leaves, placements, dtype)
+            stats = {name: _stacked(getattr(state, name), dtype) for name in names}
+            old_threshold = _stacked(state.thresholds, dtype)
+        else:
+            norm = _reduce.global_norm(leaves, ord, placements).astype(dtype)
+            stats = {name: getattr(state, name) for name in names}
+            old_threshold = state.threshold
+        threshold, new_stats = rule(stats, norm, state.count)
+        threshold = threshold.astype(dtype)
+
+        # The NaN rule: a non-finite norm leaves its unit's statistics alone.
+        finite = jnp.isfinite(norm)
+        kept = {
+            name: jnp.where(finite, new_stats[name], stats[name]).astype(
+                stats[name].dtype
+            )
+            for name in names
+        }
+        count = jnp.where(
+            jnp.all(finite), optax.safe_int32_increment(state.count), state.count
+        )
+        scale = clip_factor(norm, threshold)
+        kept_threshold = jnp.where(finite, threshold, old_threshold).astype(dtype)
+        if not per_leaf:
+            clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
+            new_state = state_cls(
+                **kept, count=count, norm=norm, threshold=kept_threshold
+            )
+            return clipped, new_state
+
+        treedef = jax.tree.structure(updates)
+
+        def as_tree(vector: jax.Array) -> Any:
+            return jax.tree.unflatten(treedef, list(vector))
+
+        scale = jax.lax.optimization_barrier(scale)  # as in `_leaf_norms`
+        scaled = [_common.apply_scale(x, scale[i]) for i, x in enumerate(leaves)]
+        new_state = state_cls(
+            **{name: as_tree(value) for name, value in kept.items()},
+            count=count,
+            norm=combined_norm(norm),
+            norms=as_tree(norm),
+            thresholds=as_tree(kept_threshold),
+        )
+        return jax.tree.unflatten(treedef, scaled), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+_SHARED_FIELDS = ("count", "norm", "threshold", "norms", "thresholds")
+
+
+def stateless(
+    fn_name: str,
+    clip: Callable[[optax.Updates, optax.Params | None], optax.Updates],
+    check_leaf: Callable[[_common.KeyPath, Any], None] | None = None,
+) -> optax.GradientTransformation:
+    """A transformation with `optax.EmptyState` whose update is `clip`.
+
+    For the rules with no statistics (AGC, block RMS): their threshold is a
+    function of each unit alone. `init` checks that every leaf of the params
+    can have a norm, and `check_leaf(path, leaf)` if given.
+    """
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        for path, leaf in _common.check_norm_leaves(params, fn_name):
+            if check_leaf is not None:
+                check_leaf(path, leaf)
+        return optax.EmptyState()
+
+    return optax.GradientTransformation(init_fn, optax.stateless(clip).update)
+
+
+def unit_norms(leaves: list[jax.Array], axes: list[tuple[int, ...]]) -> list[jax.Array]:
+    """Each leaf's exact L2 norms over its `axes` (kept as size-1 dims), in
+    float32 or wider, from the engine."""
+    return _reduce.slice_norms(leaves, axes) if leaves else []

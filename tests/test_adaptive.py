@@ -1,0 +1,209 @@
+"""The adaptive family's shape (`clipax._adaptive`): each rule on its own
+against its paper's formula, and the parts every rule shares."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from clipax import _adaptive
+from clipax._adagc import adagc_rule
+from clipax._autoclip import autoclip_rule
+from clipax._zclip import EPS, zclip_rule
+from tests.helpers import spike_norms, state_after_compiled_steps
+
+f32 = np.float32
+
+
+# Each rule, a pure function, against its formula.
+
+
+@pytest.mark.parametrize(("history", "q"), [(1, 10.0), (4, 50.0), (16, 90.0)])
+def test_autoclip_rule_is_the_percentile_of_the_recent_norms(history, q):
+    """Seetharaman et al., Algorithm 1: eta_c = percentile(G_h, p)."""
+    rule = jax.jit(functools.partial(autoclip_rule, percentile=q))
+    stats = {"buffer": jnp.zeros(history, jnp.float32)}
+    norms = spike_norms(40)
+    for t, norm in enumerate(norms):
+        threshold, stats = rule(stats, jnp.float32(norm), jnp.int32(t))
+        recent = norms[max(0, t + 1 - history) : t + 1].astype(f32)
+        np.testing.assert_allclose(threshold, np.percentile(recent, q), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "std"])
+def test_zclip_rule_after_warmup_is_the_papers_formula(mode):
+    """Kumar et al., eqs. 5-8: z = (g - mu) / sigma; clipped to mu + z_t**2 / z
+    * sigma (adaptive) or mu + z_t * sigma; EMA of the clipped norm."""
+    alpha, zt, mean, var = 0.97, 2.5, 2.0, 0.25
+    stats = {
+        "mean": jnp.float32(mean),
+        "variance": jnp.float32(var),
+        "warmup_norms": jnp.zeros(3, jnp.float32),
+    }
+    rule = functools.partial(zclip_rule, alpha=alpha, z_threshold=zt, mode=mode)
+    for g in (1.0, 2.5, 9.0):
+        threshold, new = rule(stats, jnp.float32(g), jnp.int32(10))
+        std = math.sqrt(var)
+        z = (g - mean) / (std + EPS)
+        limit = mean + (zt**2 / z if mode == "adaptive" else zt) * std
+        clipped = limit if z > zt else g
+        want = limit if z > zt else mean + zt * (std + EPS)
+        np.testing.assert_allclose(threshold, want, rtol=1e-6)
+        new_mean = alpha * mean + (1 - alpha) * clipped
+        np.testing.assert_allclose(new["mean"], new_mean, rtol=1e-6)
+        new_var = alpha * var + (1 - alpha) * (clipped - new_mean) ** 2
+        np.testing.assert_allclose(new["variance"], new_var, rtol=1e-5)
+
+
+def test_zclip_rule_warmup_records_then_starts_the_statistics():
+    rule = functools.partial(zclip_rule, alpha=0.9, z_threshold=2.0, mode="std")
+    stats = {
+        "mean": jnp.float32(0),
+        "variance": jnp.float32(0),
+        "warmup_norms": jnp.zeros(2, jnp.float32),
+    }
+    threshold, stats = rule(stats, jnp.float32(1.0), jnp.int32(0))
+    assert math.isinf(threshold) and float(stats["mean"]) == 0.0
+    threshold, stats = rule(stats, jnp.float32(3.0), jnp.int32(1))
+    assert math.isinf(threshold)
+    assert float(stats["mean"]) == 2.0 and float(stats["variance"]) == 1.0
+
+
+def test_adagc_rule_is_the_papers_formula():
+    """Wang et al., eqs. 6-7: h_i = min(1, lambda_rel gamma_i / |g_i|),
+    gamma_i <- beta gamma_i + (1 - beta) |h_i g_i|; warm-up: GlobalGC at
+    lambda_abs, gamma_i = min of the clipped norms."""
+    rule = functools.partial(
+        adagc_rule, max_norm=2.0, clip_ratio=1.04, alpha=0.9, warmup_steps=2
+    )
+    inf = math.inf
+    norms = jnp.array([3.0, 4.0, 0.0], jnp.float32)  # global 5, clipped to 2
+    threshold, stats = rule({"ema": jnp.full(3, inf)}, norms, jnp.int32(0))
+    np.testing.assert_allclose(threshold, [1.2, 1.6, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(stats["ema"], [1.2, 1.6, inf], rtol=1e-6)
+    norms = jnp.array([1.0, 0.1, 0.0], jnp.float32)  # not clipped: minimum
+    threshold, stats = rule(stats, norms, jnp.int32(1))
+    np.testing.assert_allclose(stats["ema"], [1.0, 0.1, inf], rtol=1e-6)
+    norms = jnp.array([5.0, 0.1, 2.0], jnp.float32)  # after warm-up
+    threshold, stats = rule(stats, norms, jnp.int32(2))
+    np.testing.assert_allclose(threshold, [1.04, 0.104, 2.08], rtol=1e-6)
+    clipped = np.array([1.04, 0.1, 2.0])
+    gamma = np.array([1.0, 0.1, 2.0])  # the unseen third leaf starts from its norm
+    np.testing.assert_allclose(stats["ema"], 0.9 * gamma + 0.1 * clipped, rtol=1e-6)
+
+
+# The shared parts.
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e30, 1e-30])
+def test_combined_norm_is_exact_without_overflow(scale):
+    rng = np.random.default_rng(0)
+    norms = np.abs(rng.standard_normal((5, 3))) * scale
+    want = np.sqrt(np.sum(norms.astype(np.float64) ** 2, axis=0))
+    got = _adaptive.combined_norm(jnp.asarray(norms, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert float(_adaptive.combined_norm(jnp.zeros((0,), jnp.float32))) == 0.0
+
+
+def test_combined_norm_of_nan_and_inf():
+    f = _adaptive.combined_norm
+    assert math.isnan(f(jnp.array([1.0, math.nan, math.inf])))
+    assert math.isinf(f(jnp.array([1.0, math.inf])))
+    assert float(f(jnp.zeros(3))) == 0.0
+
+
+def test_clip_factor_rules():
+    norm = jnp.array([2.0, 2.0, 2.0, math.nan, 0.0])
+    threshold = jnp.array([1.0, math.inf, math.nan, 1.0, 0.0])
+    np.testing.assert_array_equal(
+        _adaptive.clip_factor(norm, threshold), [0.5, 1.0, math.nan, math.nan, 1.0]
+    )
+
+
+class RunningMaxState(NamedTuple):
+    """A rule a newcomer might add: clip to half the largest norm seen."""
+
+    peak: chex.ArrayTree
+    count: jax.Array
+    norm: jax.Array
+    norms: chex.ArrayTree
+    thresholds: chex.ArrayTree
+
+
+def running_max_rule(stats, norm, count):
+    del count
+    peak = jnp.maximum(stats["peak"], norm)
+    return jnp.where(stats["peak"] > 0, 0.5 * peak, jnp.inf), {"peak": peak}
+
+
+def running_max(**kwargs) -> optax.GradientTransformation:
+    return _adaptive.transformation(
+        "running_max",
+        RunningMaxState,
+        lambda dtype: {"peak": jnp.zeros((), dtype)},
+        running_max_rule,
+        per_leaf=True,
+        **kwargs,
+    )
+
+
+def test_a_new_per_leaf_rule_gets_the_shared_parts():
+    tx = running_max()
+    tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0]), "n": None}
+    state = tx.init(tree)
+    assert state.norms["n"] is None and math.isinf(state.thresholds["a"])
+    update = jax.jit(tx.update)
+    out, state = update(tree, state)  # the first step passes
+    chex.assert_trees_all_equal(out, tree)
+    out, state = update(jax.tree.map(lambda x: 2 * x, tree), state)
+    np.testing.assert_allclose(out["a"], [3.0, 4.0])  # norm 10 clipped to 5
+    np.testing.assert_allclose(state.norm, math.hypot(10.0, 2.0), rtol=1e-6)
+    assert int(state.count) == 2
+    # The NaN rule: the broken leaf keeps its statistics and comes out NaN, the
+    # others go on, and the step is not counted.
+    broken = {"a": jnp.array([math.nan, 0.0]), "b": jnp.array([8.0]), "n": None}
+    out, after = update(broken, state)
+    assert np.isnan(out["a"]).all()
+    np.testing.assert_allclose(out["b"], [4.0])  # 8 clipped to half its peak
+    assert float(after.peak["a"]) == float(state.peak["a"])
+    assert float(after.peak["b"]) == 8.0
+    assert int(after.count) == 2
+    assert float(after.thresholds["a"]) == float(state.thresholds["a"])
+
+
+def test_a_new_rule_compiles_once():
+    state = state_after_compiled_steps(running_max(), {"a": jnp.ones(3)}, calls=4)
+    assert int(state.count) == 4
+
+
+def test_stateless_checks_the_params_at_init():
+    calls = []
+    tx = _adaptive.stateless(
+        "demo", lambda u, p: u, lambda path, leaf: calls.append(path)
+    )
+    assert tx.init({"a": jnp.ones(1), "b": None}) == optax.EmptyState()
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match=r"`demo`.*\['i'\].*int32"):
+        tx.init({"i": jnp.zeros(1, jnp.int32)})
+
+
+@pytest.mark.parametrize(
+    ("check", "value", "match"),
+    [
+        (_adaptive.check_open_unit, 1.5, r"`x` must be a real number strictly"),
+        (_adaptive.check_positive, -1.0, r"`x` must be a finite real number > 0"),
+        (_adaptive.check_count, 0, r"`x` must be an int >= 1; got 0"),
+    ],
+)
+def test_shared_argument_checks(check, value, match):
+    with pytest.raises(ValueError, match=match):
+        check("x", value)
+    assert _adaptive.check_count("x", np.int64(3), minimum=0) == 3
