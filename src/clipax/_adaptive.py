@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,14 +50,22 @@ InitStats = Callable[[np.dtype], Stats]
 # Arguments shared by the rules.
 
 
-def check_count(name: str, value: Any, minimum: int = 1) -> int:
+def check_count(
+    name: str, value: Any, minimum: int = 1, *, traced_ok: bool = False
+) -> Any:
     """A concrete int >= `minimum` (a Python or NumPy int), returned as an int.
 
+    A traced value is returned unchecked when `traced_ok` (a count that is only
+    compared with, as under `optax.inject_hyperparams`).
+
     Raises:
-      TypeError: if `value` is traced (it sets a shape or a schedule).
+      TypeError: if `value` is traced and not `traced_ok` (it sets a shape or a
+        schedule).
       ValueError: if `value` is not an int >= `minimum`.
     """
     if _common.is_traced(value):
+        if traced_ok:
+            return value
         raise TypeError(f"`{name}` got a traced value; {_common.STATIC_HINT}.")
     integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
         isinstance(value, (jax.Array, np.ndarray))
@@ -81,13 +90,14 @@ def check_open_unit(name: str, value: Any) -> None:
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
 
 
-def check_positive(name: str, value: Any) -> None:
-    """A finite real number > 0, unless traced."""
+def check_positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
+    """A real number > 0, finite unless `inf_ok`; not checked when traced."""
     if _common.is_traced(value):
         return
-    accepted = "a finite real number > 0"
+    accepted = "a real number > 0 or inf" if inf_ok else "a finite real number > 0"
     array = _common.concrete_real(name, value, accepted)
-    if array.ndim != 0 or not 0 < array < math.inf:  # also catches NaN
+    largest = math.inf if inf_ok else sys.float_info.max
+    if array.ndim != 0 or not 0 < array <= largest:  # also catches NaN
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
 
 

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _adaptive, _common
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
-
-INT_ACCEPTED = "an int >= 1 (a traced value is not checked)"
 
 
 class SkipSpikesState(NamedTuple):
@@ -41,30 +37,6 @@ class SkipSpikesState(NamedTuple):
     loss_count: jax.Array  # int32 scalar: accepted steps that passed a loss
     loss_mean: jax.Array  # dtype scalar: running mean of accepted losses
     loss_variance: jax.Array  # dtype scalar: running variance of accepted losses
-
-
-def _check_real(name: str, value: Any, low: float, high: float, accepted: str) -> None:
-    """A concrete real scalar in the open interval (low, high], unless traced."""
-    if _common.is_traced(value):
-        return
-    array = _common.concrete_real(name, value, accepted)
-    if array.ndim != 0 or not low < array <= high:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
-
-
-def _check_int(name: str, value: Any) -> None:
-    if _common.is_traced(value):
-        return
-    integer_array = (  # a concrete one, e.g. from optax.inject_hyperparams
-        isinstance(value, (jax.Array, np.ndarray))
-        and value.ndim == 0
-        and jnp.issubdtype(value.dtype, jnp.integer)
-    )
-    if integer_array:
-        value = int(value)
-    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not valid or value < 1:
-        raise ValueError(f"`{name}` must be {INT_ACCEPTED}; got {value!r}.")
 
 
 def _moments(
@@ -197,10 +169,12 @@ def skip_spikes(
             "`inner` must be an optax.GradientTransformation; got "
             f"{type(inner).__name__}."
         )
-    _check_real("z_threshold", z_threshold, 0, np.inf, "a real number > 0 or inf")
-    _check_real("alpha", alpha, 0, np.nextafter(1, 0), "a real number in (0, 1)")
-    _check_int("warmup_steps", warmup_steps)
-    _check_int("max_consecutive_skips", max_consecutive_skips)
+    _adaptive.check_positive("z_threshold", z_threshold, inf_ok=True)
+    _adaptive.check_open_unit("alpha", alpha)
+    _adaptive.check_count("warmup_steps", warmup_steps, traced_ok=True)
+    _adaptive.check_count(
+        "max_consecutive_skips", max_consecutive_skips, traced_ok=True
+    )
     if max_norm is not None:
         _common.check_max_norm("max_norm", max_norm)
     normalize_axis_name(axis_name)
