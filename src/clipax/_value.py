@@ -39,20 +39,9 @@ def clip_by_value(
       Array([-1. ,  0.5,  2. ], dtype=float32)
     """
     _common.check_bounds(min_value, max_value)
-
-    def init_fn(params: optax.Params) -> optax.EmptyState:
-        del params
-        return optax.EmptyState()
-
-    def update_fn(
-        updates: optax.Updates,
-        state: optax.EmptyState,
-        params: optax.Params | None = None,
-    ) -> tuple[optax.Updates, optax.EmptyState]:
-        del params
-        return _value.clip_by_value(updates, min_value, max_value), state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.stateless(
+        lambda updates, params: _value.clip_by_value(updates, min_value, max_value)
+    )
 
 
 def clip(max_delta: ArrayLike) -> optax.GradientTransformation:
