@@ -48,7 +48,8 @@ def test_quick_run_prints_every_row() -> None:
     assert "### Device time (2 passes in one jitted fori_loop; per pass)" in stdout
     for tree in TREES[:2]:
         for op in OPS:
-            row = [line for line in lines if line.startswith(f"| {tree} | {op} (device) |")]
+            start = f"| {tree} | {op} (device) |"
+            row = [line for line in lines if line.startswith(start)]
             assert len(row) == 1, (tree, op)
             cells = [c.strip() for c in row[0].strip("|").split("|")]
             assert len(cells) == 9

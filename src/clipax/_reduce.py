@@ -351,14 +351,15 @@ def slice_norms(
         pairs = zip(leaves, leaf_axes, strict=True)
         out = [part for x, a in pairs for part in _shifted_sums(x, a)]
         twice = [g for g in groups for _ in range(2)]
-        return _collective(out, twice, jax.lax.psum, [b for b in buckets for _ in range(2)])
+        both = [b for b in buckets for _ in range(2)]
+        return _collective(out, twice, jax.lax.psum, both)
 
     def unused() -> list[jax.Array]:
         return [jnp.zeros(s.shape, s.dtype) for s in sums for _ in range(2)]
 
     extra = _branch(untrusted, shifted, unused)
-    pairs = zip(sums, extra[::2], extra[1::2], strict=True)
-    return [_norm_in_range(s, (down, up)) for s, down, up in pairs]
+    triples = zip(sums, extra[::2], extra[1::2], strict=True)
+    return [_norm_in_range(s, (down, up)) for s, down, up in triples]
 
 
 def leaf_peak_norms(
