@@ -1,5 +1,13 @@
 """The norm engine: exact norms of pytrees, on one device or sharded.
 
+The data's path: a global norm (`global_norm`) sums |x|**p over all leaves in
+float32 (`_fused.partial_sums` reduces small leaves together), completes the
+sum across devices, and tests it once: inf, or below `_trust_floor`, sends it
+under `lax.cond` to a rescaled pass. Per-slice norms (`slice_norms`, for
+`clip_by_norm`) take one float32 sum of squares per slice, the bare formula's,
+and one scalar test over the whole tree decides under one `lax.cond` whether
+the shifted sums that repair overflow and underflow are taken.
+
 Two concerns meet here, each solved once:
 
 - Placement. Inside `shard_map` or `pmap`, a leaf is a local block. `specs`
@@ -8,14 +16,11 @@ Two concerns meet here, each solved once:
   (psum for p-norms, pmax for the inf-norm), so replicated leaves count once.
   Leaves that share an axis set share one collective.
 - Range. Squares of float32 values above ~1.8e19 overflow, and below ~1e-19
-  they underflow. For the global norm, the fast pass sums |x|**p in float32
-  (float64 for float64 leaves); only when that sum came out inf, or too small
-  to trust, does a second pass run (under `lax.cond`, so the common path pays
-  one scalar test). It scales every element by the same power of two, 2**-e
-  with 2**e near the largest |x|, which is exact, sums again and scales back.
-  Per-slice norms (`clip_by_norm`) instead keep three sums of squares in their
-  one pass, of x, x 2**-80 and x 2**80, and take the one in range: a branch
-  over thousands of leaves compiled far slower.
+  they underflow. The common path pays one scalar test; only inputs at those
+  extremes (or all-zero slices, for per-slice norms) take the second pass.
+  For the global norm it scales every element by the same power of two, 2**-e
+  with 2**e near the largest |x|; for per-slice norms it sums the squares of
+  x 2**-80 and x 2**80 and keeps the one in range. Both are exact.
 """
 
 from __future__ import annotations
@@ -290,10 +295,12 @@ def _shifted_sums(x: jax.Array, axes: tuple[int, ...]) -> list[jax.Array]:
     acc = _common.accum_dtype(x.dtype)
     sums = []
     for shift in (-SHIFT, SHIFT):
-        # Each pass takes the leaf through a barrier of its own with its scale
-        # (`_fused.scaled_pair`): a narrow leaf's float32 upcast is then fused
-        # into each reduction, never written out.
-        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
+        # Each pass takes a narrow leaf through a barrier of its own with its
+        # scale (`_fused.scaled_pair`): its float32 upcast is then fused into
+        # each reduction, never written out.
+        leaf, scale = x, jnp.asarray(2.0**shift, acc)
+        if acc.itemsize > x.dtype.itemsize:
+            leaf, scale = _fused.scaled_pair(leaf, scale)
         squares = _common.powers(_upcast(leaf) * scale, 2.0)
         sums.append(jnp.sum(squares, axis=axes, keepdims=True))
     return sums
@@ -320,8 +327,7 @@ def slice_norms(
     float32 sum of squares per slice. One scalar test over the whole tree,
     "some sum is inf or below `_trust_floor`" (0 included: a slice whose
     squares all underflowed sums to 0 too), decides under one `lax.cond`
-    whether the shifted sums (`_shifted_sums`) are taken; the plain branch
-    returns zeros, which `_norm_in_range` then never selects. With
+    whether the shifted sums (`_shifted_sums`) are taken. With
     `placements`, sums over sharded dimensions are completed across devices
     (one psum per axis set) and the test is the same on every device.
     """
@@ -341,25 +347,21 @@ def slice_norms(
     sums = _collective(sums, groups, jax.lax.psum, buckets)
     # Per-leaf values stay separate buffers: concatenating them and slicing
     # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md).
-    floor = _trust_floor(jnp.result_type(*sums))
-    flags = [jnp.any(jnp.isposinf(s) | (s < floor)) for s in sums]
+    flags = [jnp.any(jnp.isposinf(s) | (s < _trust_floor(s.dtype))) for s in sums]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
 
-    def shifted() -> list[jax.Array]:
+    def exact() -> list[jax.Array]:
         pairs = zip(leaves, leaf_axes, strict=True)
         out = [part for x, a in pairs for part in _shifted_sums(x, a)]
         twice = [g for g in groups for _ in range(2)]
         both = [b for b in buckets for _ in range(2)]
-        return _collective(out, twice, jax.lax.psum, both)
+        out = _collective(out, twice, jax.lax.psum, both)
+        triples = zip(sums, out[::2], out[1::2], strict=True)
+        return [_norm_in_range(s, (down, up)) for s, down, up in triples]
 
-    def unused() -> list[jax.Array]:
-        return [jnp.zeros(s.shape, s.dtype) for s in sums for _ in range(2)]
-
-    extra = _branch(untrusted, shifted, unused)
-    triples = zip(sums, extra[::2], extra[1::2], strict=True)
-    return [_norm_in_range(s, (down, up)) for s, down, up in triples]
+    return _branch(untrusted, exact, lambda: [_common.safe_root(s, 2.0) for s in sums])
 
 
 def leaf_peak_norms(
