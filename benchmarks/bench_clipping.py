@@ -6,6 +6,7 @@ of medians (Markdown, ready for benchmarks/RESULTS.md):
     PYTHONPATH=src python benchmarks/bench_clipping.py            # full run
     PYTHONPATH=src python benchmarks/bench_clipping.py --quick    # smoke run
     PYTHONPATH=src python benchmarks/bench_clipping.py --plot     # + scaling.png
+    PYTHONPATH=src python benchmarks/bench_clipping.py --device 20 # + device time
 
 What is measured, for each tree and each of `clip_by_global_norm`,
 `clip_by_norm` and `clip`, on the Optax transformation's `update` under
@@ -20,7 +21,11 @@ What is measured, for each tree and each of `clip_by_global_norm`,
   of 2 such compiles, in the order clipax, optax, optax, clipax (other
   processes on a shared machine only ever add time);
 - memory: the compiled executable's `memory_analysis()`, arguments + outputs
-  + temporaries - aliased bytes: what the step holds at its peak.
+  + temporaries - aliased bytes: what the step holds at its peak;
+- device time (`--device K`): the clip applied K times inside one jitted
+  `lax.fori_loop`, so that dispatch is paid once: seconds per pass, TB/s of
+  one read and one write of the tree, and the ratio to the same loop of a bare
+  read-and-write pass (`x * c`). It runs on any backend (CPU, GPU).
 
 optax has no per-leaf `clip_by_norm` transformation; it is compared with the
 natural equivalent, `jax.tree.map` of `g * max_norm / max(||g||, max_norm)`.
@@ -29,6 +34,7 @@ natural equivalent, `jax.tree.map` of `g * max_norm / max(||g||, max_norm)`.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import pathlib
 import platform
@@ -294,6 +300,68 @@ def chain_rows(cases: list[tuple[str, Tree]], quick: bool) -> list[tuple]:
     return out
 
 
+# Device throughput.
+
+
+def _floor_pass(tree: Tree) -> Tree:
+    """One read and one write of every leaf (`x * c`; XLA cannot drop it)."""
+    return jax.tree.map(lambda x: x * jnp.asarray(0.999, x.dtype), tree)
+
+
+def _clipped(tx: optax.GradientTransformation, state: Any, tree: Tree) -> Tree:
+    return tx.update(tree, state)[0]
+
+
+def device_loop(
+    update: Callable[[Tree], Tree], tree: Tree, k: int
+) -> Callable[[], Any]:
+    """`update` applied `k` times inside one jitted `lax.fori_loop`.
+
+    One dispatch for k passes: the time is the device's, not the host's.
+    """
+    looped = jax.jit(lambda t: jax.lax.fori_loop(0, k, lambda _, u: update(u), t))
+    jax.block_until_ready(looped(tree))
+    return lambda: looped(tree)
+
+
+def device_rows(cases: list[tuple[str, Tree]], k: int, quick: bool) -> list[tuple]:
+    """Per tree and op: seconds per pass of clipax, optax and the floor.
+
+    The floor is one read and one write of the tree (`x * c`, c a traced
+    scalar so that XLA cannot drop it). TB/s counts those bytes moved.
+    """
+    out = []
+    for name, tree in cases:
+        _, _, nbytes = describe(tree)
+        reps = max(3, repeats_for(nbytes, quick) // 3)
+        floor = device_loop(_floor_pass, tree, k)
+        for op, (make_clipax, make_optax) in OPS.items():
+            calls = []
+            for tx in (make_clipax(), make_optax()):
+                state = tx.init(tree)
+                step = functools.partial(_clipped, tx, state)
+                calls.append(device_loop(step, tree, k))
+            t_ours, t_theirs, t_floor = interleaved([*calls, floor], reps)
+            out.append((name, op, nbytes, t_ours / k, t_theirs / k, t_floor / k))
+            print(f"  measured {name} / {op} (device)", file=sys.stderr, flush=True)
+    return out
+
+
+def print_device(rows: list[tuple], k: int) -> None:
+    print(f"\n### Device time ({k} passes in one jitted fori_loop; per pass)\n")
+    print(
+        "| tree | op | clipax ms | optax ms | floor ms | clipax TB/s | "
+        "clipax/floor | optax/floor | clipax/optax |"
+    )
+    print("|---|---|" + "---:|" * 7)
+    for name, op, nbytes, ours, theirs, floor in rows:
+        print(
+            f"| {name} | {op} (device) | {ms(ours)} | {ms(theirs)} | {ms(floor)} "
+            f"| {2 * nbytes / ours / 1e12:.3f} | {ours / floor:.2f} "
+            f"| {theirs / floor:.2f} | {ours / theirs:.2f} |"
+        )
+
+
 # Output.
 
 
@@ -427,6 +495,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--only-plot", action="store_true", help="only the scaling chart"
     )
+    parser.add_argument(
+        "--device",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time K clips in one jitted fori_loop (device time, TB/s)",
+    )
     args = parser.parse_args(argv)
     print(f"clipax vs optax: {header()}")
     if not args.only_plot:
@@ -440,6 +515,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         chains = chain_rows(chain_cases, args.quick)
         print_tables(cases, rows, chains)
+        if args.device:
+            device_cases = cases[:2] if args.quick else cases
+            rows_k = device_rows(device_cases, args.device, args.quick)
+            print_device(rows_k, args.device)
     if args.plot or args.only_plot:
         counts = [100, 200, 500] if args.quick else [100, 250, 500, 1000, 2000, 4000]
         scaling(HERE / "scaling.png", counts, 1000)

@@ -24,6 +24,8 @@ def test_quick_run_prints_every_row() -> None:
     stdout = helpers.run_script(
         SCRIPT,
         "--quick",
+        "--device",
+        "2",
         XLA_FLAGS=None,  # the benchmark runs on one device, as users do
         PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
     )
@@ -40,8 +42,18 @@ def test_quick_run_prints_every_row() -> None:
     assert "### In a chain with adam (median ms)" in stdout
     for i, tree in enumerate(TREES):
         rows = [line for line in lines if line.startswith(f"| {tree} | ")]
-        in_chain = 1 if i < 2 else 0  # --quick chains adam with the first two trees
-        assert len(rows) == 1 + len(OPS) + in_chain, (tree, rows)
+        # --quick chains adam with, and times device loops of, the first two trees
+        first_two = 1 if i < 2 else 0
+        assert len(rows) == 1 + len(OPS) + first_two * (1 + len(OPS)), (tree, rows)
+    assert "### Device time (2 passes in one jitted fori_loop; per pass)" in stdout
+    for tree in TREES[:2]:
+        for op in OPS:
+            start = f"| {tree} | {op} (device) |"
+            row = [line for line in lines if line.startswith(start)]
+            assert len(row) == 1, (tree, op)
+            cells = [c.strip() for c in row[0].strip("|").split("|")]
+            assert len(cells) == 9
+            assert all(float(c) > 0 for c in cells[2:]), row
 
 
 SKIP_SCRIPT = SCRIPT.with_name("bench_skip.py")

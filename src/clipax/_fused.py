@@ -142,7 +142,7 @@ def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
     return jnp.sum(combined)
 
 
-def _concat(parts: Sequence[jax.Array]) -> jax.Array:
+def concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
@@ -207,7 +207,7 @@ def partial_sums(
     for group in groups:
         parts.append(_group_sum([prepared(i) for i in group], p))
     for bucket in buckets:
-        flat = _concat([jnp.ravel(prepared(i)) for i in bucket])
+        flat = concat([jnp.ravel(prepared(i)) for i in bucket])
         parts.append(_common.power_sum(flat, p))
     if not parts:
         return jnp.zeros((1,), dtype)

@@ -1,5 +1,13 @@
 """The norm engine: exact norms of pytrees, on one device or sharded.
 
+The data's path: a global norm (`global_norm`) sums |x|**p over all leaves in
+float32 (`_fused.partial_sums` reduces small leaves together), completes the
+sum across devices, and tests it once: inf, or below `_trust_floor`, sends it
+under `lax.cond` to a rescaled pass. Per-slice norms (`slice_norms`, for
+`clip_by_norm`) take one float32 sum of squares per slice, the bare formula's,
+and one scalar test over the whole tree decides under one `lax.cond` whether
+the shifted sums that repair overflow and underflow are taken.
+
 Two concerns meet here, each solved once:
 
 - Placement. Inside `shard_map` or `pmap`, a leaf is a local block. `specs`
@@ -8,18 +16,16 @@ Two concerns meet here, each solved once:
   (psum for p-norms, pmax for the inf-norm), so replicated leaves count once.
   Leaves that share an axis set share one collective.
 - Range. Squares of float32 values above ~1.8e19 overflow, and below ~1e-19
-  they underflow. For the global norm, the fast pass sums |x|**p in float32
-  (float64 for float64 leaves); only when that sum came out inf, or too small
-  to trust, does a second pass run (under `lax.cond`, so the common path pays
-  one scalar test). It scales every element by the same power of two, 2**-e
-  with 2**e near the largest |x|, which is exact, sums again and scales back.
-  Per-slice norms (`clip_by_norm`) instead keep three sums of squares in their
-  one pass, of x, x 2**-80 and x 2**80, and take the one in range: a branch
-  over thousands of leaves compiled far slower.
+  they underflow. The common path pays one scalar test; only inputs at those
+  extremes (or all-zero slices, for per-slice norms) take the second pass.
+  For the global norm it scales every element by the same power of two, 2**-e
+  with 2**e near the largest |x|; for per-slice norms it sums the squares of
+  x 2**-80 and x 2**80 and keeps the one in range. Both are exact.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -275,39 +281,39 @@ def global_norm(
 # Per-leaf (per-slice) norms.
 
 
-# Per-slice norms are taken in one pass with three accumulators: the squares of
-# x, of x * 2**-SHIFT (for sums that overflow) and of x * 2**SHIFT (for sums that
-# underflow); XLA fuses the three sibling reductions into one read of x. Many
-# small leaves then compile without the branch a second pass would need.
+# The exact pass of per-slice norms scales each element by 2**-SHIFT (for sums
+# that overflowed) and by 2**SHIFT (for sums below `_trust_floor`, or 0): with
+# |x| < 2**64 (the sum did not overflow) or |x| < 2**-31.5 (it was below the
+# floor), one of the two sums is in range and exact. Scaling by powers of two
+# loses nothing.
 SHIFT = 80
 
 
-def _three_sums(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Sums of |x|**2, |x 2**-SHIFT|**2 and |x 2**SHIFT|**2 over `axes`, stacked.
-
-    The result has a new leading axis of 3 and keeps `axes` as size-1 dims.
-    """
+def _shifted_sums(x: jax.Array, axes: tuple[int, ...]) -> list[jax.Array]:
+    """Sums of |x 2**-SHIFT|**2 and |x 2**SHIFT|**2 over `axes` (kept as
+    size-1 dims)."""
     acc = _common.accum_dtype(x.dtype)
-    sums = [_common.power_sum(_fused.opaque_if_narrow(x), 2.0, axes)]
+    sums = []
     for shift in (-SHIFT, SHIFT):
-        # Each scaled sum takes the leaf through a barrier of its own with its
-        # scale (see `_fused.scaled_pair`): a narrow leaf's float32 upcast is
-        # then fused into each reduction, never written out.
-        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
-        sums.append(_common.power_sum(_upcast(leaf) * scale, 2.0, axes))
-    return jnp.stack(sums)
+        # Each pass takes a narrow leaf through a barrier of its own with its
+        # scale (`_fused.scaled_pair`): its float32 upcast is then fused into
+        # each reduction, never written out.
+        leaf, scale = x, jnp.asarray(2.0**shift, acc)
+        if acc.itemsize > x.dtype.itemsize:
+            leaf, scale = _fused.scaled_pair(leaf, scale)
+        squares = _common.powers(_upcast(leaf) * scale, 2.0)
+        sums.append(jnp.sum(squares, axis=axes, keepdims=True))
+    return sums
 
 
-def _norm_in_range(sums: jax.Array) -> jax.Array:
-    """The L2 norm from the three sums: the one that neither overflowed nor
-    underflowed, scaled back (exact: the scales are powers of two)."""
-    plain, down, up = sums[0], sums[1], sums[2]
-    floor = _trust_floor(plain.dtype)
+def _norm_in_range(plain: jax.Array, shifted: Sequence[jax.Array]) -> jax.Array:
+    """The L2 norm from the plain sum, or where it is inf or below the floor,
+    from the shifted sum in range, scaled back."""
     norm = _common.safe_root(plain, 2.0)
-    norm = jnp.where(
-        jnp.isposinf(plain), _common.safe_root(down, 2.0) * 2.0**SHIFT, norm
-    )
-    return jnp.where(plain < floor, _common.safe_root(up, 2.0) * 2.0**-SHIFT, norm)
+    down = _common.safe_root(shifted[0], 2.0) * 2.0**SHIFT
+    norm = jnp.where(jnp.isposinf(plain), down, norm)
+    up = _common.safe_root(shifted[1], 2.0) * 2.0**-SHIFT
+    return jnp.where(plain < _trust_floor(plain.dtype), up, norm)
 
 
 def slice_norms(
@@ -317,9 +323,13 @@ def slice_norms(
 ) -> list[jax.Array]:
     """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims).
 
-    Exact for every finite input, in one pass over each leaf and with no
-    branch. With `placements`, the sums over sharded dimensions are completed
-    across devices (one psum per axis set).
+    Exact for every finite input. The fast pass is the bare formula's one
+    float32 sum of squares per slice. One scalar test over the whole tree,
+    "some sum is inf or below `_trust_floor`" (0 included: a slice whose
+    squares all underflowed sums to 0 too), decides under one `lax.cond`
+    whether the shifted sums (`_shifted_sums`) are taken. With
+    `placements`, sums over sharded dimensions are completed across devices
+    (one psum per axis set) and the test is the same on every device.
     """
     if not leaves:
         return []
@@ -329,9 +339,29 @@ def slice_norms(
         pairs = zip(placements, leaf_axes, strict=True)
         groups = [reduced_mesh_axes(e, a) for e, a in pairs]
         buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-    sums = [_three_sums(x, a) for x, a in zip(leaves, leaf_axes, strict=True)]
+    keep = [_fused.opaque_if_narrow(x) for x in leaves]
+    sums = [
+        jnp.sum(_common.powers(x, 2.0), axis=a, keepdims=True)
+        for x, a in zip(keep, leaf_axes, strict=True)
+    ]
     sums = _collective(sums, groups, jax.lax.psum, buckets)
-    return [_norm_in_range(s) for s in sums]
+    # Per-leaf values stay separate buffers: concatenating them and slicing
+    # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md).
+    flags = [jnp.any(jnp.isposinf(s) | (s < _trust_floor(s.dtype))) for s in sums]
+    untrusted = functools.reduce(jnp.logical_or, flags)
+    if placements is not None:
+        untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
+
+    def exact() -> list[jax.Array]:
+        pairs = zip(leaves, leaf_axes, strict=True)
+        out = [part for x, a in pairs for part in _shifted_sums(x, a)]
+        twice = [g for g in groups for _ in range(2)]
+        both = [b for b in buckets for _ in range(2)]
+        out = _collective(out, twice, jax.lax.psum, both)
+        triples = zip(sums, out[::2], out[1::2], strict=True)
+        return [_norm_in_range(s, (down, up)) for s, down, up in triples]
+
+    return _branch(untrusted, exact, lambda: [_common.safe_root(s, 2.0) for s in sums])
 
 
 def leaf_peak_norms(
