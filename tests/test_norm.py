@@ -51,6 +51,21 @@ def test_zero_slices_and_thresholds() -> None:
     chex.assert_trees_all_equal(out, x)
 
 
+@pytest.mark.parametrize("value", [0.0, 1e-30, 1e30])
+def test_scalar_leaves_under_jit_take_the_exact_branch_without_nan(
+    value: float,
+) -> None:
+    # A 0-d leaf has no reduction: XLA once folded the 2**80 scale of the exact
+    # branch into its square (0 * 2**160 = NaN) under jit.
+    tree = {"s": jnp.float32(value), "z": jnp.zeros((2, 3))}
+    out, norms = jax.jit(
+        lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2e30, None)
+    )(tree)
+    chex.assert_trees_all_equal(out, tree)
+    np.testing.assert_array_equal(norms["s"], np.float32(value))
+    np.testing.assert_array_equal(norms["z"], 0.0)
+
+
 def test_non_finite_slice_becomes_nan_others_unchanged() -> None:
     x = jnp.array([[1.0, math.inf], [3.0, 4.0]])
     out = clipax.tree.clip_by_norm(x, 1.0, axes=1)

@@ -295,12 +295,12 @@ def _shifted_sums(x: jax.Array, axes: tuple[int, ...]) -> list[jax.Array]:
     acc = _common.accum_dtype(x.dtype)
     sums = []
     for shift in (-SHIFT, SHIFT):
-        # Each pass takes a narrow leaf through a barrier of its own with its
-        # scale (`_fused.scaled_pair`): its float32 upcast is then fused into
-        # each reduction, never written out.
-        leaf, scale = x, jnp.asarray(2.0**shift, acc)
-        if acc.itemsize > x.dtype.itemsize:
-            leaf, scale = _fused.scaled_pair(leaf, scale)
+        # Each pass takes the leaf through a barrier of its own with its scale
+        # (`_fused.scaled_pair`): a narrow leaf's float32 upcast is then fused
+        # into each reduction, never written out, and XLA cannot fold the
+        # constant scale into the square (x**2 * 2**160 is 0 * inf = NaN for
+        # x = 0, as it did for 0-d leaves without the barrier).
+        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
         squares = _common.powers(_upcast(leaf) * scale, 2.0)
         sums.append(jnp.sum(squares, axis=axes, keepdims=True))
     return sums
