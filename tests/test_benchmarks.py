@@ -74,3 +74,18 @@ def test_skip_benchmark_quick_run_prints_its_row() -> None:
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert len(cells) == 8
     assert all(float(c) > 0 for c in cells[2:]), row
+
+
+STEP_SCRIPT = SCRIPT.with_name("bench_step.py")
+
+
+def test_step_benchmark_quick_run_prints_its_row_and_the_geometric_mean() -> None:
+    stdout = helpers.run_script(STEP_SCRIPT, "--quick", XLA_FLAGS=None)
+    lines = stdout.splitlines()
+    assert lines[0].startswith("training step, clipax vs optax clip_by_global_norm:")
+    row = [line for line in lines if line.startswith("| gpt2-tiny f32 |")]
+    assert len(row) == 1, stdout
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert len(cells) == 9
+    assert all(float(c.replace(",", "")) > 0 for c in cells[1:]), row
+    assert any(line.startswith("geometric mean: run ") for line in lines), stdout
