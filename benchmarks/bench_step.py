@@ -106,22 +106,6 @@ STEPS = {
 }
 
 
-def measure(tree: Any, quick: bool) -> tuple[float, float, float, float]:
-    """(clipax run, optax run, clipax compile, optax compile), in seconds."""
-
-    def build(name: str) -> bench.Built:
-        return bench.build(bench_skip.training_step(STEPS[name]()), tree)
-
-    ours, theirs = build("clipax"), build("optax")
-    if not quick:
-        theirs_2, ours_2 = build("optax"), build("clipax")
-        ours = ours._replace(compile_s=min(ours.compile_s, ours_2.compile_s))
-        theirs = theirs._replace(compile_s=min(theirs.compile_s, theirs_2.compile_s))
-    reps = bench.repeats_for(bench.describe(tree)[2], quick)
-    t_ours, t_theirs = bench.interleaved([ours.call, theirs.call], reps)
-    return t_ours, t_theirs, ours.compile_s, theirs.compile_s
-
-
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -139,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     runs, compiles = [], []
     for name, tree in tree_cases(args.quick):
         leaves, count, _ = bench.describe(tree)
-        run_c, run_o, comp_c, comp_o = measure(tree, args.quick)
+        got = bench_skip.measure(tree, STEPS, args.quick)
+        (run_c, comp_c), (run_o, comp_o) = got["clipax"], got["optax"]
         runs.append(run_c / run_o)
         compiles.append(comp_c / comp_o)
         print(

@@ -59,33 +59,28 @@ def test_quick_run_prints_every_row() -> None:
 SKIP_SCRIPT = SCRIPT.with_name("bench_skip.py")
 
 
-def test_skip_benchmark_quick_run_prints_its_row() -> None:
-    src = str(SKIP_SCRIPT.parents[1] / "src")
-    stdout = helpers.run_script(
-        SKIP_SCRIPT,
-        "--quick",
-        XLA_FLAGS=None,
-        PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-    )
-    lines = stdout.splitlines()
-    assert lines[0].startswith("skip_spikes vs apply_if_finite: jax ")
+def _quick_row(script: pathlib.Path, title: str, columns: int) -> tuple[list, list]:
+    """Runs `script --quick`; checks its title and its one gpt2-tiny row of
+    `columns` cells; returns the output's lines and that row's cells."""
+    lines = helpers.run_script(script, "--quick", XLA_FLAGS=None).splitlines()
+    assert lines[0].startswith(title), lines[:3]
     row = [line for line in lines if line.startswith("| gpt2-tiny f32 |")]
-    assert len(row) == 1, stdout
+    assert len(row) == 1, lines
     cells = [c.strip() for c in row[0].strip("|").split("|")]
-    assert len(cells) == 8
-    assert all(float(c) > 0 for c in cells[2:]), row
+    assert len(cells) == columns, row
+    return lines, cells
+
+
+def test_skip_benchmark_quick_run_prints_its_row() -> None:
+    _, cells = _quick_row(SKIP_SCRIPT, "skip_spikes vs apply_if_finite: jax ", 8)
+    assert all(float(c) > 0 for c in cells[2:]), cells
 
 
 STEP_SCRIPT = SCRIPT.with_name("bench_step.py")
 
 
 def test_step_benchmark_quick_run_prints_its_row_and_the_geometric_mean() -> None:
-    stdout = helpers.run_script(STEP_SCRIPT, "--quick", XLA_FLAGS=None)
-    lines = stdout.splitlines()
-    assert lines[0].startswith("training step, clipax vs optax clip_by_global_norm:")
-    row = [line for line in lines if line.startswith("| gpt2-tiny f32 |")]
-    assert len(row) == 1, stdout
-    cells = [c.strip() for c in row[0].strip("|").split("|")]
-    assert len(cells) == 9
-    assert all(float(c.replace(",", "")) > 0 for c in cells[1:]), row
-    assert any(line.startswith("geometric mean: run ") for line in lines), stdout
+    title = "training step, clipax vs optax clip_by_global_norm:"
+    lines, cells = _quick_row(STEP_SCRIPT, title, 9)
+    assert all(float(c.replace(",", "")) > 0 for c in cells[1:]), cells
+    assert any(line.startswith("geometric mean: run ") for line in lines), lines
