@@ -190,12 +190,11 @@ def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
     )
     counts = {}
     _collectives(jax.make_jaxpr(per_leaf)(_shard(mesh, host)).jaxpr, counts)
-    # In the loop's one pass: per axis set, one psum carries the sums of
-    # squares, and one pmax, over every axis, makes the range test the same on
-    # all devices; outside it, one pmax gives the per-leaf norms kept in the
-    # state. A second (rescaled) pass, taken only on overflow or underflow,
-    # runs the same collectives again.
-    assert counts == {"while psum": 3, "while pmax": 1, "pmax": 1}, counts
+    # Per axis set, one psum carries the sums of squares; one pmax, over every
+    # axis, makes the range test the same on all devices, and one more the
+    # per-leaf norms kept in the state. The shifted sums (taken only on
+    # overflow or underflow) take one psum per axis set.
+    assert counts == {"psum": 3, "pmax": 2, "cond psum": 3}, counts
 
     inf_norm = jax.shard_map(
         lambda t: clipax.tree.global_norm(t, ord=math.inf, specs=SPECS),

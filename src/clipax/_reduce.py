@@ -216,6 +216,16 @@ def _finish(total: jax.Array, peak: jax.Array, inverse: jax.Array, p: float) -> 
     return jnp.where(jnp.isfinite(peak), norm, peak)
 
 
+def _branch(
+    untrusted: jax.Array, rescaled: Callable[[], Any], fast: Callable[[], Any]
+) -> Any:
+    """`lax.cond` when traced; eagerly, the branch is chosen on the host, since
+    an eager `lax.cond` over closures would compile anew at every call."""
+    if _common.is_traced(untrusted):
+        return jax.lax.cond(untrusted, rescaled, fast)
+    return rescaled() if bool(untrusted) else fast()
+
+
 # Global norms.
 
 
@@ -269,17 +279,7 @@ def global_norm(
     varying = frozenset().union(
         *(_varying(leaves[i]) - set(k) for k in keys for i in members[k])
     )
-    zeros = _vary(jnp.zeros((), dtype), varying)
-    floor = _trust_floor(dtype)
-    return _two_passes(
-        summed,
-        leaves,
-        zeros,
-        lambda total: _next_scale(total, p),
-        lambda total: jnp.isposinf(total) | (total < floor),
-        p,
-        lambda scale: [scale] * len(leaves),
-    )
+    return _norm_in_two_passes(summed, leaves, p, _vary(jnp.zeros((), dtype), varying))
 
 
 def _varying(x: jax.Array) -> frozenset[str]:
@@ -292,12 +292,6 @@ def _vary(x: jax.Array, names: frozenset[str]) -> jax.Array:
     """`x` typed as varying over `names` (shard_map's replication check)."""
     missing = tuple(sorted(names - _varying(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _vary_like(x: jax.Array, like: Any) -> jax.Array:
-    """`x` typed as varying over the mesh axes `like` (an abstract value) does."""
-    manual = getattr(like, "manual_axis_type", None)
-    return _vary(x, frozenset(manual.varying) if manual is not None else frozenset())
 
 
 def _next_scale(total: jax.Array, p: float) -> jax.Array:
@@ -326,85 +320,107 @@ def _next_scale(total: jax.Array, p: float) -> jax.Array:
     return jnp.where(jnp.isposinf(total), down, up)
 
 
-def _two_passes(
-    summed: Callable[[list[jax.Array], Any], Any],
+def _norm_in_two_passes(
+    summed: Callable[[list[jax.Array], jax.Array], jax.Array],
     leaves: list[jax.Array],
-    zeros: Any,
-    rescale: Callable[[Any], Any],
-    untrusted: Callable[[Any], jax.Array],
     p: float,
-    spread: Callable[[Any], list[jax.Array]],
-) -> Any:
-    """Norms from `summed(leaves, scales)`, the sums of |x scale|**p (a pytree
-    like `zeros`, typed as the sums are): one pass at scale 1, and a second at
-    `rescale(sums)` only when `untrusted(sums)` (a scalar, the same on every
-    device) says that some sum is inf or below `_trust_floor`;
-    `spread(scales)` gives each leaf's scale (broadcastable to it).
+    zero: jax.Array,
+) -> jax.Array:
+    """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`, the sum of
+    |x scale|**p (`zero` is a 0 typed as that sum is): one pass at scale 1,
+    and a second at `_next_scale` only when the first sum is inf or below
+    `_trust_floor`.
 
-    Under a trace the passes are the iterations (two at most) of one
-    `lax.while_loop`: the tree's reductions are compiled once, where a
-    `lax.cond` would compile them twice (benchmarks/RESULTS.md). A while loop
-    cannot be differentiated in reverse mode, so the norms' derivative is,
-    through `jax.custom_jvp`, that of the last pass's formula at its scales
-    (constants). Eagerly, the host decides whether to take the second pass.
+    Under a trace the two passes are the iterations of one `lax.while_loop`,
+    so the tree's reductions are compiled once, where a `lax.cond` compiles
+    them twice (benchmarks/RESULTS.md). A while loop cannot be differentiated
+    in reverse mode: the norm's derivative is, through `jax.custom_jvp`, that
+    of the last pass's formula at its (constant) scale. Eagerly, the host
+    decides whether to take the second pass.
     """
-    ones = jax.tree.map(lambda z: z + 1, zeros)
+    floor = _trust_floor(zero.dtype)
+    one = zero + 1
 
-    def passes(leaves: list[jax.Array]) -> tuple[Any, Any]:
-        """(sums, scales) of the last pass."""
+    def untrusted(total: jax.Array) -> jax.Array:
+        return jnp.isposinf(total) | (total < floor)
+
+    def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(total, scale) of the last pass."""
         if not any(_common.is_traced(x) for x in leaves):
-            sums = summed(leaves, ones)
-            if not bool(untrusted(sums)):
-                return sums, ones
-            scales = rescale(sums)
-            return summed(leaves, scales), scales
+            total = summed(leaves, one)
+            if not bool(untrusted(total)):
+                return total, one
+            scale = _next_scale(total, p)
+            return summed(leaves, scale), scale
 
         def again(carry: tuple) -> jax.Array:
-            count, _, _, flag = carry
-            return (count == 0) | ((count == 1) & flag)
+            count, _, total = carry
+            return (count == 0) | ((count == 1) & untrusted(total))
 
         def one_pass(carry: tuple) -> tuple:
-            count, _, sums, _ = carry
-            first = count == 0
-            scales = jax.tree.map(
-                lambda one, new: jnp.where(first, one, new), ones, rescale(sums)
-            )
-            sums = summed(leaves, scales)
-            return count + 1, scales, sums, untrusted(sums)
+            count, _, total = carry
+            scale = jnp.where(count == 0, one, _next_scale(total, p))
+            return count + 1, scale, summed(leaves, scale)
 
-        flag = jax.eval_shape(untrusted, zeros)  # its type in shard_map
-        start = (jnp.int32(0), ones, zeros, _vary_like(jnp.bool_(True), flag))
-        _, scales, sums, _ = jax.lax.while_loop(again, one_pass, start)
-        return sums, scales
-
-    def roots(sums: Any, scales: Any) -> Any:
-        return jax.tree.map(lambda s, c: _common.safe_root(s, p) / c, sums, scales)
+        _, scale, total = jax.lax.while_loop(again, one_pass, (jnp.int32(0), one, zero))
+        return total, scale
 
     @jax.custom_jvp
-    def norms(leaves: list[jax.Array]) -> Any:
-        return roots(*passes(leaves))
+    def norm(leaves: list[jax.Array]) -> jax.Array:
+        total, scale = passes(leaves)
+        return _common.safe_root(total, p) / scale
 
-    @norms.defjvp
-    def norms_jvp(primals: tuple, tangents: tuple) -> tuple[Any, Any]:
-        # With y = x s (s the last pass's scale, a constant), a norm is
+    @norm.defjvp
+    def norm_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+        # With y = x s (s the last pass's scale, a constant), the norm is
         # R(y) / s and its tangent R'(y) s dx / s = R'(y) dx: taken on the
         # scaled leaves, whose derivatives are of moderate size, the tangent
         # (and its transpose, in reverse mode) neither overflows nor
         # underflows where x is extreme.
-        scales = jax.lax.stop_gradient(passes(primals[0])[1])
-        scaled = [
-            _upcast(x) * c for x, c in zip(primals[0], spread(scales), strict=True)
-        ]
+        scale = jax.lax.stop_gradient(passes(primals[0])[1])
+        scaled = [_upcast(x) * scale for x in primals[0]]
         dots = [t.astype(y.dtype) for t, y in zip(tangents[0], scaled, strict=True)]
         unit, slope = jax.jvp(
-            lambda ys: roots(summed(ys, ones), ones), (scaled,), (dots,)
+            lambda ys: _common.safe_root(summed(ys, one), p), (scaled,), (dots,)
         )
-        return jax.tree.map(jnp.divide, unit, scales), slope
+        return unit / scale, slope
 
-    return norms(list(leaves))
+    return norm(list(leaves))
 
 
-# Per-leaf (per-slice) norms.
+# The exact pass of per-slice norms scales each element by 2**-SHIFT (for sums
+# that overflowed) and by 2**SHIFT (for sums below `_trust_floor`, or 0): with
+# |x| < 2**64 (the sum did not overflow) or |x| < 2**-31.5 (it was below the
+# floor), one of the two sums is in range and exact. Scaling by powers of two
+# loses nothing.
+SHIFT = 80
+
+
+def _shifted_sums(x: jax.Array, axes: tuple[int, ...]) -> list[jax.Array]:
+    """Sums of |x 2**-SHIFT|**2 and |x 2**SHIFT|**2 over `axes` (kept as
+    size-1 dims)."""
+    acc = _common.accum_dtype(x.dtype)
+    sums = []
+    for shift in (-SHIFT, SHIFT):
+        # Each pass takes the leaf through a barrier of its own with its scale
+        # (`_fused.scaled_pair`): a narrow leaf's float32 upcast is then fused
+        # into each reduction, never written out, and XLA cannot fold the
+        # constant scale into the square (x**2 * 2**160 is 0 * inf = NaN for
+        # x = 0, as it did for 0-d leaves without the barrier).
+        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
+        squares = _common.powers(_upcast(leaf) * scale, 2.0)
+        sums.append(jnp.sum(squares, axis=axes, keepdims=True))
+    return sums
+
+
+def _norm_in_range(plain: jax.Array, shifted: Sequence[jax.Array]) -> jax.Array:
+    """The L2 norm from the plain sum, or where it is inf or below the floor,
+    from the shifted sum in range, scaled back."""
+    norm = _common.safe_root(plain, 2.0)
+    down = _common.safe_root(shifted[0], 2.0) * 2.0**SHIFT
+    norm = jnp.where(jnp.isposinf(plain), down, norm)
+    up = _common.safe_root(shifted[1], 2.0) * 2.0**-SHIFT
+    return jnp.where(plain < _trust_floor(plain.dtype), up, norm)
 
 
 def slice_norms(
@@ -414,14 +430,13 @@ def slice_norms(
 ) -> list[jax.Array]:
     """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims).
 
-    Exact for every finite input. The first pass is the bare formula's one
+    Exact for every finite input. The fast pass is the bare formula's one
     float32 sum of squares per slice. One scalar test over the whole tree,
     "some sum is inf or below `_trust_floor`" (0 included: a slice whose
-    squares all underflowed sums to 0 too), decides whether a second pass
-    rescales each such slice by its own power of two (`_next_scale`);
-    `_two_passes` runs both. With `placements`, sums over sharded dimensions
-    are completed across devices (one psum per axis set) and the test is the
-    same on every device.
+    squares all underflowed sums to 0 too), decides under one `lax.cond`
+    whether the shifted sums (`_shifted_sums`) are taken. With
+    `placements`, sums over sharded dimensions are completed across devices
+    (one psum per axis set) and the test is the same on every device.
     """
     if not leaves:
         return []
@@ -431,42 +446,29 @@ def slice_norms(
         pairs = zip(placements, leaf_axes, strict=True)
         groups = [reduced_mesh_axes(e, a) for e, a in pairs]
         buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
+    keep = [_fused.opaque_if_narrow(x) for x in leaves]
+    sums = [
+        jnp.sum(_common.powers(x, 2.0), axis=a, keepdims=True)
+        for x, a in zip(keep, leaf_axes, strict=True)
+    ]
+    sums = _collective(sums, groups, jax.lax.psum, buckets)
+    # Per-leaf values stay separate buffers: concatenating them and slicing
+    # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md).
+    flags = [jnp.any(jnp.isposinf(s) | (s < _trust_floor(s.dtype))) for s in sums]
+    untrusted = functools.reduce(jnp.logical_or, flags)
+    if placements is not None:
+        untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
 
-    def summed(leaves: list[jax.Array], scales: list[jax.Array]) -> list[jax.Array]:
-        sums = []
-        for x, a, scale in zip(leaves, leaf_axes, scales, strict=True):
-            # A barrier that ties the leaf to its pass's scale: XLA neither
-            # hoists a narrow leaf's float32 upcast out of the loop nor folds
-            # a constant scale into the square (see `_fused.scaled_pair`).
-            x, scale = _fused.scaled_pair(x, scale)
-            sums.append(
-                jnp.sum(_common.powers(_upcast(x) * scale, 2.0), a, keepdims=True)
-            )
-        return _collective(sums, groups, jax.lax.psum, buckets)
+    def exact() -> list[jax.Array]:
+        pairs = zip(leaves, leaf_axes, strict=True)
+        out = [part for x, a in pairs for part in _shifted_sums(x, a)]
+        twice = [g for g in groups for _ in range(2)]
+        both = [b for b in buckets for _ in range(2)]
+        out = _collective(out, twice, jax.lax.psum, both)
+        triples = zip(sums, out[::2], out[1::2], strict=True)
+        return [_norm_in_range(s, (down, up)) for s, down, up in triples]
 
-    def untrusted(sums: list[jax.Array]) -> jax.Array:
-        flags = [jnp.any(jnp.isposinf(s) | (s < _trust_floor(s.dtype))) for s in sums]
-        flag = functools.reduce(jnp.logical_or, flags)
-        if placements is None:
-            return flag
-        return _pmax_everywhere(flag.astype(jnp.int32), buckets) > 0
-
-    def rescale(sums: list[jax.Array]) -> list[jax.Array]:
-        out = []
-        for s in sums:
-            bad = jnp.isposinf(s) | (s < _trust_floor(s.dtype))
-            out.append(jnp.where(bad, _next_scale(s, 2.0), jnp.ones_like(s)))
-        return out
-
-    zeros = []
-    for x, a, group in zip(leaves, leaf_axes, groups, strict=True):
-        shape = tuple(1 if d in a else n for d, n in enumerate(x.shape))
-        dtype = jnp.real(jnp.zeros((), _upcast(x).dtype)).dtype
-        zeros.append(_vary(jnp.zeros(shape, dtype), _varying(x) - set(group)))
-    out: list[jax.Array] = _two_passes(
-        summed, leaves, zeros, rescale, untrusted, 2.0, lambda scales: scales
-    )
-    return out
+    return _branch(untrusted, exact, lambda: [_common.safe_root(s, 2.0) for s in sums])
 
 
 def leaf_peak_norms(
