@@ -1,12 +1,15 @@
 """The norm engine: exact norms of pytrees, on one device or sharded.
 
-The data's path: a global norm (`global_norm`) sums |x|**p over all leaves in
-float32 (`_fused.partial_sums` reduces small leaves together), completes the
-sum across devices, and tests it once: inf, or below `_trust_floor`, sends it
-under `lax.cond` to a rescaled pass. Per-slice norms (`slice_norms`, for
-`clip_by_norm`) take one float32 sum of squares per slice, the bare formula's,
-and one scalar test over the whole tree decides under one `lax.cond` whether
-the shifted sums that repair overflow and underflow are taken.
+The data's path: a global norm (`global_norm`, 1 <= p <= 2) sums |x s|**p
+over all leaves in float32 (`_fused.partial_sums` reduces small leaves
+together), with s = 1, completes the sum across devices, and tests it once:
+inf, or below `_trust_floor`, runs the same pass again with s a power of two
+chosen from that sum (`_next_scale`): the two passes are the iterations of one
+`lax.while_loop`, so the reductions are compiled once. Per-slice norms
+(`slice_norms`, for `clip_by_norm`) take one float32 sum of squares per slice,
+the bare formula's, and one scalar test over the whole tree decides under one
+`lax.cond` whether the shifted sums that repair overflow and underflow are
+taken (a loop with per-leaf carries compiled slower there).
 
 Two concerns meet here, each solved once:
 
@@ -18,9 +21,11 @@ Two concerns meet here, each solved once:
 - Range. Squares of float32 values above ~1.8e19 overflow, and below ~1e-19
   they underflow. The common path pays one scalar test; only inputs at those
   extremes (or all-zero slices, for per-slice norms) take the second pass.
-  For the global norm it scales every element by the same power of two, 2**-e
-  with 2**e near the largest |x|; for per-slice norms it sums the squares of
-  x 2**-80 and x 2**80 and keeps the one in range. Both are exact.
+  For the global norm it scales every element by the same power of two (for
+  orders above 2, whose powers span more than float32's range, one taken
+  from the largest |x|, in a pass of its own); for per-slice norms it sums
+  the squares of x 2**-80 and x 2**80 and keeps the one in range. All are
+  exact.
 """
 
 from __future__ import annotations
