@@ -15,7 +15,7 @@ import pytest
 import clipax
 from tests import helpers
 
-ORDS = [1, 2, 3, math.inf]
+ORDS = [1, 1.5, 2, 3, math.inf]
 
 
 def _extreme_trees() -> dict[str, Any]:
@@ -145,6 +145,84 @@ def test_rescaled_pass_has_finite_gradients(ord: float) -> None:
     for x in (jnp.full((3,), 1e-25), jnp.zeros(3), jnp.array([3.0, 4.0, 0.0])):
         chex.assert_tree_all_finite(jax.grad(loss)(x))
         chex.assert_tree_all_finite(jax.jit(jax.grad(loss))(x))
+
+
+@pytest.mark.parametrize("ord", [1, 1.5, 2, 3])
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e25])
+def test_gradient_of_the_norm_is_exact_at_the_extremes(
+    scale: float, ord: float
+) -> None:
+    # d||x||_p / dx = sign(x) |x|**(p-1) / ||x||**(p-1), in float64: the
+    # derivative of the second (rescaled) pass is that of its own formula.
+    # At x = 0 the 1-norm takes JAX's subgradient of |x|, 1, as before.
+    x64 = np.array([3.0, -4.0, 0.5, 0.0]) * scale
+    x = jnp.asarray(x64, jnp.float32)
+    norm = np.sum(np.abs(x64) ** ord) ** (1 / ord)
+    expected = np.sign(x64) * (np.abs(x64) / norm) ** (ord - 1)
+    if ord == 1:
+        expected[3] = 1.0
+    for grad in (
+        jax.grad(clipax.tree.global_norm),
+        jax.jit(jax.grad(clipax.tree.global_norm, argnums=0), static_argnames="ord"),
+    ):
+        got = grad(x, ord=ord)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-30)
+    tangent = jnp.asarray([1.0, 2.0, 0.0, 5.0], jnp.float32)
+    _, slope = jax.jvp(lambda t: clipax.tree.global_norm(t, ord=ord), (x,), (tangent,))
+    np.testing.assert_allclose(slope, np.dot(expected, [1.0, 2.0, 0.0, 5.0]), rtol=1e-5)
+
+
+def test_float64_trees_with_narrow_leaves_are_exact_at_the_extremes() -> None:
+    # With x64, a tree holding a float64 leaf is summed in float64: a
+    # bfloat16 leaf whose float32 squares overflow is summed in float64 too,
+    # and the second pass's scale, chosen for float64's range, cannot flush
+    # it to zero.
+    with jax.enable_x64(True):
+        cases = [
+            [jnp.asarray(2.7e19, jnp.bfloat16), jnp.asarray(0.25, jnp.float64)],
+            [jnp.array([1e200, 1.0]), jnp.full((3,), 1e30, jnp.bfloat16)],
+            [jnp.full((3,), 1e-30, jnp.float32), jnp.full((2,), 1e-200)],
+        ]
+        for tree in cases:
+            expected = helpers.ref_global_norm(tree)
+            for fn in (clipax.tree.global_norm, jax.jit(clipax.tree.global_norm)):
+                norm = fn(tree)
+                assert norm.dtype == jnp.float64
+                np.testing.assert_allclose(norm, expected, rtol=1e-6)
+
+
+def _reductions(jaxpr: Any, minimum: int) -> int:
+    """The number of reduce_sum equations over at least `minimum` elements,
+    in `jaxpr` and every jaxpr inside it (loop bodies, cond branches)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.size >= minimum:
+            count += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _reductions(inner, minimum)
+    return count
+
+
+@pytest.mark.parametrize("ord", [1, 1.5, 2])
+def test_the_rescaled_pass_is_the_same_code_as_the_first(ord: float) -> None:
+    # Under jit, the pass that repairs overflow and underflow is the second
+    # iteration of the loop that takes the first: each large leaf's reduction
+    # is traced (and compiled) once, not once per pass.
+    tree = [jnp.ones((100, 100)), jnp.ones((64, 80)), jnp.ones((5000,))]
+    jaxpr = jax.make_jaxpr(lambda t: clipax.tree.clip_by_global_norm(t, 1.0, ord=ord))(
+        tree
+    )
+    assert _reductions(jaxpr.jaxpr, 4000) == len(tree)
+    for scale in (1e-30, 1.0, 1e30):
+        scaled = [x * scale for x in tree]
+        got = jax.jit(lambda t: clipax.tree.global_norm(t, ord=ord))(scaled)
+        expected = helpers.ref_global_norm(
+            [np.asarray(x, np.float64) * scale for x in tree], ord
+        )
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 # The non-finite policy.

@@ -186,9 +186,10 @@ def partial_sums(
     wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
     least one entry (0 when there are no elements).
 
-    With `scale` (a scalar), every element is first upcast to its accumulation
-    dtype and multiplied by it: the sums of |x * scale|**p, as a rescaled pass
-    against overflow or underflow needs.
+    With `scale` (a scalar), every element is first upcast to `dtype` (the
+    tree's accumulation dtype) and multiplied by it: the sums of
+    |x * scale|**p, as a pass that may rescale against overflow or underflow
+    needs.
     """
     leaves = [jnp.asarray(x) for x in leaves]
     groups, buckets, alone = _plan(leaves)
@@ -198,10 +199,11 @@ def partial_sums(
             return opaque_if_narrow(leaves[i])
         # A barrier of its own, so that XLA does not merge this pass's upcast
         # with another pass's over the same leaf (see opaque_if_narrow).
+        # Every leaf is scaled and summed in `dtype` (complex leaves in its
+        # complex type): in a float64 tree a float32 leaf's sum cannot
+        # overflow where the scale was chosen for float64's range.
         x, factor = scaled_pair(leaves[i], scale)
-        acc = _common.accum_dtype(x.dtype)  # real; complex leaves stay complex
-        wide = x.dtype if jnp.iscomplexobj(x) else acc
-        return x.astype(wide) * factor.astype(acc)
+        return x.astype(jnp.result_type(x.dtype, dtype)) * factor.astype(dtype)
 
     parts = [_common.power_sum(prepared(i), p) for i in alone]
     for group in groups:

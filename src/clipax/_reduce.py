@@ -1,12 +1,15 @@
 """The norm engine: exact norms of pytrees, on one device or sharded.
 
-The data's path: a global norm (`global_norm`) sums |x|**p over all leaves in
-float32 (`_fused.partial_sums` reduces small leaves together), completes the
-sum across devices, and tests it once: inf, or below `_trust_floor`, sends it
-under `lax.cond` to a rescaled pass. Per-slice norms (`slice_norms`, for
-`clip_by_norm`) take one float32 sum of squares per slice, the bare formula's,
-and one scalar test over the whole tree decides under one `lax.cond` whether
-the shifted sums that repair overflow and underflow are taken.
+The data's path: a global norm (`global_norm`, 1 <= p <= 2) sums |x s|**p
+over all leaves in float32 (`_fused.partial_sums` reduces small leaves
+together), with s = 1, completes the sum across devices, and tests it once:
+inf, or below `_trust_floor`, runs the same pass again with s a power of two
+chosen from that sum (`_next_scale`): the two passes are the iterations of one
+`lax.while_loop`, so the reductions are compiled once. Per-slice norms
+(`slice_norms`, for `clip_by_norm`) take one float32 sum of squares per slice,
+the bare formula's, and one scalar test over the whole tree decides under one
+`lax.cond` whether the shifted sums that repair overflow and underflow are
+taken (a loop with per-leaf carries compiled slower there).
 
 Two concerns meet here, each solved once:
 
@@ -18,9 +21,11 @@ Two concerns meet here, each solved once:
 - Range. Squares of float32 values above ~1.8e19 overflow, and below ~1e-19
   they underflow. The common path pays one scalar test; only inputs at those
   extremes (or all-zero slices, for per-slice norms) take the second pass.
-  For the global norm it scales every element by the same power of two, 2**-e
-  with 2**e near the largest |x|; for per-slice norms it sums the squares of
-  x 2**-80 and x 2**80 and keeps the one in range. Both are exact.
+  For the global norm it scales every element by the same power of two (for
+  orders above 2, whose powers span more than float32's range, one taken
+  from the largest |x|, in a pass of its own); for per-slice norms it sums
+  the squares of x 2**-80 and x 2**80 and keeps the one in range. All are
+  exact.
 """
 
 from __future__ import annotations
@@ -244,18 +249,21 @@ def global_norm(
         groups: list[MeshAxes] = [()] * len(leaves)
     else:
         groups = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-    by_group: dict[MeshAxes, list[jax.Array]] = {}
-    for leaf, group in zip(leaves, groups, strict=True):
-        by_group.setdefault(group, []).append(leaf)
-    keys = list(by_group)
+    members: dict[MeshAxes, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    keys = list(members)
 
-    def summed(scale: jax.Array | None = None) -> jax.Array:
+    def summed(leaves: list[jax.Array], scale: jax.Array) -> jax.Array:
         """Sum of |x * scale|**p over all leaves: one psum per axis set.
 
         Within an axis set, small leaves are reduced together (`_fused`).
         """
         sums = [
-            jnp.sum(_fused.partial_sums(by_group[k], p, dtype, scale)) for k in keys
+            jnp.sum(
+                _fused.partial_sums([leaves[i] for i in members[k]], p, dtype, scale)
+            )
+            for k in keys
         ]
         return jnp.sum(jnp.stack(_collective(sums, keys, jax.lax.psum)))
 
@@ -266,19 +274,123 @@ def global_norm(
 
     if p == math.inf:
         return peak()
-
-    total = summed()
-
-    def rescaled() -> jax.Array:
+    if p > 2:
+        # Rare orders: a peak pass, then one sum rescaled by it (two passes).
         top = peak()
         inverse = _power_of_two_scale(top)
-        return _finish(summed(inverse), top, inverse, p)
+        return _finish(summed(leaves, inverse), top, inverse, p)
+    # Inside shard_map, the sum varies over the mesh axes its leaves vary
+    # over, less those it is psummed over; the loop's carry must say so.
+    varying = frozenset().union(
+        *(_varying(leaves[i]) - set(k) for k in keys for i in members[k])
+    )
+    return _norm_in_two_passes(summed, leaves, p, _vary(jnp.zeros((), dtype), varying))
 
-    untrusted = jnp.isposinf(total) | (total < _trust_floor(dtype))
-    return _branch(untrusted, rescaled, lambda: _common.safe_root(total, p))
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes over which `x` varies inside `shard_map`."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
-# Per-leaf (per-slice) norms.
+def _vary(x: jax.Array, names: frozenset[str]) -> jax.Array:
+    """`x` typed as varying over `names` (shard_map's replication check)."""
+    missing = tuple(sorted(names - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _next_scale(total: jax.Array, p: float) -> jax.Array:
+    """The power of two by which a second pass scales every element, from the
+    first pass's `total` (inf, or below `_trust_floor`), for 1 <= p <= 2.
+
+    With E = log2 of the dtype's overflow threshold (128 for float32) and up
+    to 2**40 elements: an overflowed sum has |x| < 2**E, so scaling by
+    2**-(E - (E-40)//p) keeps every |x s|**p below 2**(E-40) and the new sum in
+    range, and what drops below the smallest normal is negligible beside it.
+    A sum below the floor bounds the peak: |x| <= m = max(total**(1/p),
+    tiny**(1/p)) (a larger term would have been kept); scaling by 2**(c - e),
+    2**e > m, puts the peak below 2**c = 2**((E-40)//p - 1) and lifts every
+    nonzero |x| (subnormals included) to where its power is a normal float.
+    """
+    info = np.finfo(total.dtype)
+    big, tiny = int(info.maxexp), -int(np.log2(info.tiny))
+    headroom = math.floor((big - 40) / p)
+    down = jnp.asarray(2.0 ** -(big - headroom), total.dtype)
+    bound = jnp.maximum(_common.safe_root(total, p), 2.0 ** (-tiny / p))
+    _, exponent = jnp.frexp(bound)
+    limit = _exponent_bound(total.dtype)
+    up = jnp.ldexp(
+        jnp.ones_like(total), jnp.clip(headroom - 1 - exponent, -limit, limit)
+    )
+    return jnp.where(jnp.isposinf(total), down, up)
+
+
+def _norm_in_two_passes(
+    summed: Callable[[list[jax.Array], jax.Array], jax.Array],
+    leaves: list[jax.Array],
+    p: float,
+    zero: jax.Array,
+) -> jax.Array:
+    """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`, the sum of
+    |x scale|**p (`zero` is a 0 typed as that sum is): one pass at scale 1,
+    and a second at `_next_scale` only when the first sum is inf or below
+    `_trust_floor`.
+
+    Under a trace the two passes are the iterations of one `lax.while_loop`,
+    so the tree's reductions are compiled once, where a `lax.cond` compiles
+    them twice (benchmarks/RESULTS.md). A while loop cannot be differentiated
+    in reverse mode: the norm's derivative is, through `jax.custom_jvp`, that
+    of the last pass's formula at its (constant) scale. Eagerly, the host
+    decides whether to take the second pass.
+    """
+    floor = _trust_floor(zero.dtype)
+    one = zero + 1
+
+    def untrusted(total: jax.Array) -> jax.Array:
+        return jnp.isposinf(total) | (total < floor)
+
+    def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(total, scale) of the last pass."""
+        if not any(_common.is_traced(x) for x in leaves):
+            total = summed(leaves, one)
+            if not bool(untrusted(total)):
+                return total, one
+            scale = _next_scale(total, p)
+            return summed(leaves, scale), scale
+
+        def again(carry: tuple) -> jax.Array:
+            count, _, total = carry
+            return (count == 0) | ((count == 1) & untrusted(total))
+
+        def one_pass(carry: tuple) -> tuple:
+            count, _, total = carry
+            scale = jnp.where(count == 0, one, _next_scale(total, p))
+            return count + 1, scale, summed(leaves, scale)
+
+        _, scale, total = jax.lax.while_loop(again, one_pass, (jnp.int32(0), one, zero))
+        return total, scale
+
+    @jax.custom_jvp
+    def norm(leaves: list[jax.Array]) -> jax.Array:
+        total, scale = passes(leaves)
+        return _common.safe_root(total, p) / scale
+
+    @norm.defjvp
+    def norm_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+        # With y = x s (s the last pass's scale, a constant), the norm is
+        # R(y) / s and its tangent R'(y) s dx / s = R'(y) dx: taken on the
+        # scaled leaves, whose derivatives are of moderate size, the tangent
+        # (and its transpose, in reverse mode) neither overflows nor
+        # underflows where x is extreme.
+        scale = jax.lax.stop_gradient(passes(primals[0])[1])
+        scaled = [_upcast(x) * scale for x in primals[0]]
+        dots = [t.astype(y.dtype) for t, y in zip(tangents[0], scaled, strict=True)]
+        unit, slope = jax.jvp(
+            lambda ys: _common.safe_root(summed(ys, one), p), (scaled,), (dots,)
+        )
+        return unit / scale, slope
+
+    return norm(list(leaves))
 
 
 # The exact pass of per-slice norms scales each element by 2**-SHIFT (for sums
