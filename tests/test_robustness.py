@@ -191,6 +191,25 @@ def test_float64_trees_with_narrow_leaves_are_exact_at_the_extremes() -> None:
                 np.testing.assert_allclose(norm, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_norm_under_vmap_and_second_derivatives(scale: float) -> None:
+    # The loop's custom_jvp composes: a batch mixing in-range and extreme rows,
+    # and the Hessian (I - u u^T) / n of the 2-norm, u = x / n, forward over
+    # reverse and reverse over reverse.
+    rows = jnp.array([[3.0, 4.0], [3.0 * scale, 4.0 * scale], [0.0, 0.0]])
+    np.testing.assert_allclose(
+        jax.vmap(clipax.tree.global_norm)(rows), [5.0, 5.0 * scale, 0.0], rtol=1e-6
+    )
+    x = jnp.array([3.0, 4.0]) * scale
+    u = np.array([0.6, 0.8])
+    expected = (np.eye(2) - np.outer(u, u)) / (5.0 * scale)
+    np.testing.assert_allclose(
+        jax.hessian(clipax.tree.global_norm)(x), expected, rtol=1e-5
+    )
+    row = jax.grad(lambda t: jax.grad(clipax.tree.global_norm)(t)[0])(x)
+    np.testing.assert_allclose(row, expected[0], rtol=1e-5)
+
+
 def _reductions(jaxpr: Any, minimum: int) -> int:
     """The number of reduce_sum equations over at least `minimum` elements,
     in `jaxpr` and every jaxpr inside it (loop bodies, cond branches)."""
