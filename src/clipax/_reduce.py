@@ -461,13 +461,17 @@ def slice_norms(
     # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md). The
     # range test reads them concatenated (per dtype), with one reduction: a
     # chain of one test per leaf compiled twice as slowly at 500 leaves.
+    # Sums that may be split over devices (an explicit sharding) are tested
+    # alone: concatenating them would reshard them.
     by_dtype: dict[Any, list[jax.Array]] = {}
+    alone = []
     for s in sums:
-        by_dtype.setdefault(s.dtype, []).append(jnp.ravel(s))
-    flags = [
-        jnp.any(jnp.isposinf(v) | (v < _trust_floor(v.dtype)))
-        for v in (_fused.concat(parts) for parts in by_dtype.values())
-    ]
+        if _fused.can_concatenate(s):
+            by_dtype.setdefault(s.dtype, []).append(jnp.ravel(s))
+        else:
+            alone.append(s)
+    tested = [_fused.concat(parts) for parts in by_dtype.values()] + alone
+    flags = [jnp.any(jnp.isposinf(v) | (v < _trust_floor(v.dtype))) for v in tested]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
