@@ -243,3 +243,18 @@ def run_script(
         f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
     )
     return result.stdout + result.stderr if with_stderr else result.stdout
+
+
+def equations(jaxpr: Any, inside: str = "") -> Any:
+    """Every equation of `jaxpr` and of the jaxprs inside it (cond branches,
+    loop bodies, custom rules), each with the outermost `cond` or `while` it
+    sits in ("" at top level)."""
+    for eqn in jaxpr.eqns:
+        yield eqn, inside
+        name = eqn.primitive.name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    kind = name if name in ("cond", "while") else ""
+                    yield from equations(inner, inside or kind)

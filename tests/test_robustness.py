@@ -213,16 +213,10 @@ def test_norm_under_vmap_and_second_derivatives(scale: float) -> None:
 def _reductions(jaxpr: Any, minimum: int) -> int:
     """The number of reduce_sum equations over at least `minimum` elements,
     in `jaxpr` and every jaxpr inside it (loop bodies, cond branches)."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.size >= minimum:
-            count += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    count += _reductions(inner, minimum)
-    return count
+    return sum(
+        eqn.primitive.name == "reduce_sum" and eqn.invars[0].aval.size >= minimum
+        for eqn, _ in helpers.equations(jaxpr)
+    )
 
 
 @pytest.mark.parametrize("ord", [1, 1.5, 2])

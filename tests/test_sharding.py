@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipax
+from tests import helpers
 
 ORDS = [1, 2, math.inf]
 
@@ -149,20 +150,14 @@ def test_per_leaf_clipping_in_shard_map_equals_one_device(
     chex.assert_trees_all_close(state.norms, expected_state.norms, rtol=1e-6)
 
 
-def _collectives(jaxpr: Any, counts: dict[str, int], inside: str = "") -> None:
+def _collectives(jaxpr: Any, counts: dict[str, int]) -> None:
     """Counts psum/pmax equations, those inside `cond` branches and `while`
     loops apart (keyed "cond psum", "while psum")."""
-    for eqn in jaxpr.eqns:
+    for eqn, inside in helpers.equations(jaxpr):
         name = eqn.primitive.name.replace("_invariant", "")
         if name in ("psum", "pmax"):
-            key = inside + name
+            key = f"{inside} {name}" if inside else name
             counts[key] = counts.get(key, 0) + 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    kind = f"{name} " if name in ("cond", "while") else inside
-                    _collectives(inner, counts, inside or kind)
 
 
 @pytest.mark.devices(8)

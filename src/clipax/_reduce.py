@@ -202,6 +202,11 @@ def _trust_floor(dtype: np.dtype) -> float:
     return float(np.sqrt(np.finfo(dtype).tiny))
 
 
+def _untrusted(total: jax.Array) -> jax.Array:
+    """Where a sum of powers is inf or below `_trust_floor` (0 included)."""
+    return jnp.isposinf(total) | (total < _trust_floor(total.dtype))
+
+
 def _exponent_bound(dtype: np.dtype) -> int:
     return int(np.finfo(dtype).maxexp) - 3
 
@@ -343,24 +348,20 @@ def _norm_in_two_passes(
     of the last pass's formula at its (constant) scale. Eagerly, the host
     decides whether to take the second pass.
     """
-    floor = _trust_floor(zero.dtype)
     one = zero + 1
-
-    def untrusted(total: jax.Array) -> jax.Array:
-        return jnp.isposinf(total) | (total < floor)
 
     def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(total, scale) of the last pass."""
         if not any(_common.is_traced(x) for x in leaves):
             total = summed(leaves, one)
-            if not bool(untrusted(total)):
+            if not bool(_untrusted(total)):
                 return total, one
             scale = _next_scale(total, p)
             return summed(leaves, scale), scale
 
         def again(carry: tuple) -> jax.Array:
             count, _, total = carry
-            return (count == 0) | ((count == 1) & untrusted(total))
+            return (count == 0) | ((count == 1) & _untrusted(total))
 
         def one_pass(carry: tuple) -> tuple:
             count, _, total = carry
@@ -471,7 +472,7 @@ def slice_norms(
         else:
             alone.append(s)
     tested = [_fused.concat(parts) for parts in by_dtype.values()] + alone
-    flags = [jnp.any(jnp.isposinf(v) | (v < _trust_floor(v.dtype))) for v in tested]
+    flags = [jnp.any(_untrusted(v)) for v in tested]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
