@@ -7,6 +7,7 @@ of medians (Markdown, ready for benchmarks/RESULTS.md):
     PYTHONPATH=src python benchmarks/bench_clipping.py --quick    # smoke run
     PYTHONPATH=src python benchmarks/bench_clipping.py --plot     # + scaling.png
     PYTHONPATH=src python benchmarks/bench_clipping.py --device 20 # + device time
+    PYTHONPATH=src python benchmarks/bench_clipping.py --trees gpt2-f32,resnet50
 
 What is measured, for each tree and each of `clip_by_global_norm`,
 `clip_by_norm` and `clip`, on the Optax transformation's `update` under
@@ -18,14 +19,17 @@ What is measured, for each tree and each of `clip_by_global_norm`,
   and `x * 2` of each leaf in its dtype);
 - compile: trace + lower + XLA compile of a fresh function after
   `jax.clear_caches()` (the first call's cost, less its execution), the least
-  of 2 such compiles, in the order clipax, optax, optax, clipax (other
-  processes on a shared machine only ever add time);
+  of 2 such compiles (`--compiles N`), in the order clipax, optax, optax,
+  clipax (other processes on a shared machine only ever add time);
+- kernels: fusions plus bare reduce and scatter ops in the optimized HLO of
+  `update` (every computation; a loop's body counted once);
 - memory: the compiled executable's `memory_analysis()`, arguments + outputs
   + temporaries - aliased bytes: what the step holds at its peak;
 - device time (`--device K`): the clip applied K times inside one jitted
   `lax.fori_loop`, so that dispatch is paid once: seconds per pass, TB/s of
-  one read and one write of the tree, and the ratio to the same loop of a bare
-  read-and-write pass (`x * c`). It runs on any backend (CPU, GPU).
+  the bytes a clip must move (one read pass and one read-and-write pass of
+  the tree), and the ratio to the floor, those two passes timed the same way
+  (a sum of every leaf, and `x * 0.75`). It runs on any backend (CPU, GPU).
 
 optax has no per-leaf `clip_by_norm` transformation; it is compared with the
 natural equivalent, `jax.tree.map` of `g * max_norm / max(||g||, max_norm)`.
@@ -38,6 +42,7 @@ import functools
 import gc
 import pathlib
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -126,7 +131,88 @@ def mixed_tree(count: int, big: int) -> Tree:
     return tree
 
 
-def tree_cases(quick: bool) -> list[tuple[str, Tree]]:
+def resnet50_shapes() -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of ResNet-50 (convolutions HWIO, batch norms)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def conv_bn(name: str, k: int, cin: int, cout: int) -> None:
+        shapes[f"{name}.conv"] = (k, k, cin, cout)
+        shapes[f"{name}.bn.scale"] = (cout,)
+        shapes[f"{name}.bn.bias"] = (cout,)
+
+    conv_bn("stem", 7, 3, 64)
+    cin = 64
+    stages = zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)
+    for stage, (blocks, width) in enumerate(stages):
+        for block in range(blocks):
+            name = f"s{stage}.b{block}"
+            conv_bn(f"{name}.c1", 1, cin, width)
+            conv_bn(f"{name}.c2", 3, width, width)
+            conv_bn(f"{name}.c3", 1, width, 4 * width)
+            if block == 0:
+                conv_bn(f"{name}.proj", 1, cin, 4 * width)
+            cin = 4 * width
+    shapes["fc.w"] = (cin, 1000)
+    shapes["fc.b"] = (1000,)
+    return shapes
+
+
+def llama_shapes(
+    vocab: int = 32000, d: int = 512, ffn: int = 1376, layers: int = 8
+) -> dict[str, tuple[int, ...]]:
+    """A Llama-shaped tree: RMSNorm scales, q/k/v/o, SwiGLU, untied head."""
+    shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
+    for i in range(layers):
+        block = {
+            "attn_norm": (d,),
+            "wq": (d, d),
+            "wk": (d, d),
+            "wv": (d, d),
+            "wo": (d, d),
+            "mlp_norm": (d,),
+            "w_gate": (d, ffn),
+            "w_up": (d, ffn),
+            "w_down": (ffn, d),
+        }
+        shapes.update({f"l{i:02d}.{k}": v for k, v in block.items()})
+    shapes.update({"final_norm": (d,), "lm_head": (d, vocab)})
+    return shapes
+
+
+def tree_of(shapes: dict[str, tuple[int, ...]], dtype: Any) -> Tree:
+    rng = np.random.default_rng(3)
+    leaves = _leaves(rng, list(shapes.values()), dtype)
+    return dict(zip(shapes, leaves, strict=True))
+
+
+# Every tree by key (`--trees`): its label in the tables and how to build it.
+TREES: dict[str, tuple[str, Callable[[], Tree]]] = {
+    "1x16M": ("1 x 16M f32", lambda: uniform_tree(1, 1 << 24)),
+    "400x40k": ("400 x 40k f32", lambda: uniform_tree(400, 40_000)),
+    "2000x1k": ("2000 x 1k f32", lambda: uniform_tree(2000, 1000)),
+    "gpt2-f32": ("gpt2 124M f32", lambda: gpt2_tree(jnp.float32)),
+    "gpt2-bf16": ("gpt2 124M bf16", lambda: gpt2_tree(jnp.bfloat16)),
+    "mixed": ("mixed+None", lambda: mixed_tree(200, 300_000)),
+    # Issue 11's goal-1 trees, and model trees sized for a GPU.
+    "500x1k": ("500 x 1k f32", lambda: uniform_tree(500, 1000)),
+    "100x40k": ("100 x 40k f32", lambda: uniform_tree(100, 40_000)),
+    "2x4M": ("2 x 4M f32", lambda: uniform_tree(2, 1 << 22)),
+    "llama8L": ("llama 8L f32", lambda: tree_of(llama_shapes(), jnp.float32)),
+    "resnet50": ("resnet-50 f32", lambda: tree_of(resnet50_shapes(), jnp.float32)),
+    "gpt48L": (
+        "gpt 48L f32",
+        lambda: tree_of(gpt2_shapes(d=256, layers=48), jnp.float32),
+    ),
+    "llama1B": (
+        "llama 1B f32",
+        lambda: tree_of(llama_shapes(d=2048, ffn=5632, layers=16), jnp.float32),
+    ),
+    "1x256M": ("1 x 256M f32", lambda: uniform_tree(1, 1 << 28)),
+}
+DEFAULT_TREES = ["1x16M", "400x40k", "2000x1k", "gpt2-f32", "gpt2-bf16", "mixed"]
+
+
+def tree_cases(quick: bool, keys: list[str] | None = None) -> list[tuple[str, Tree]]:
     if quick:
         return [
             ("1 x 64k f32", uniform_tree(1, 1 << 16)),
@@ -136,14 +222,7 @@ def tree_cases(quick: bool) -> list[tuple[str, Tree]]:
             ("gpt2-tiny bf16", gpt2_tree(jnp.bfloat16, small=True)),
             ("mixed+None", mixed_tree(30, 20_000)),
         ]
-    return [
-        ("1 x 16M f32", uniform_tree(1, 1 << 24)),
-        ("400 x 40k f32", uniform_tree(400, 40_000)),
-        ("2000 x 1k f32", uniform_tree(2000, 1000)),
-        ("gpt2 124M f32", gpt2_tree(jnp.float32)),
-        ("gpt2 124M bf16", gpt2_tree(jnp.bfloat16)),
-        ("mixed+None", mixed_tree(200, 300_000)),
-    ]
+    return [(TREES[k][0], TREES[k][1]()) for k in keys or DEFAULT_TREES]
 
 
 def describe(tree: Tree) -> tuple[int, int, int]:
@@ -188,6 +267,16 @@ class Built(NamedTuple):
     call: Callable[[], Any]
     compile_s: float
     peak_bytes: int
+    kernels: int
+
+
+def kernel_count(compiled: Any) -> int:
+    """Kernels in the optimized HLO: fusions plus bare reduce and scatter ops,
+    in every computation (a loop's body and a branch counted once each)."""
+    text = compiled.as_text()
+    return len(re.findall(r"= \S+ fusion\(", text)) + len(
+        re.findall(r"= \S+ (?:reduce|scatter)\(", text)
+    )
 
 
 def build(tx: optax.GradientTransformation, tree: Tree) -> Built:
@@ -206,7 +295,8 @@ def build(tx: optax.GradientTransformation, tree: Tree) -> Built:
         - mem.alias_size_in_bytes
     )
     jax.block_until_ready(compiled(tree, state))  # warm-up
-    return Built(lambda: compiled(tree, state), compile_s, peak)
+    kernels = kernel_count(compiled)
+    return Built(lambda: compiled(tree, state), compile_s, peak, kernels)
 
 
 def interleaved(calls: list[Callable[[], Any]], repeats: int) -> list[float]:
@@ -247,23 +337,23 @@ class Row(NamedTuple):
     floor: float
     compile_s: tuple[float, float]
     peak: tuple[int, int]
+    kernels: tuple[int, int]
 
 
-def bench_tree(name: str, tree: Tree, quick: bool) -> list[Row]:
+def bench_tree(name: str, tree: Tree, quick: bool, compiles: int = 2) -> list[Row]:
     _, _, nbytes = describe(tree)
     reps = repeats_for(nbytes, quick)
     read, write = floor_calls(tree)
     rows = []
     for op, (make_clipax, make_optax) in OPS.items():
-        ours = build(make_clipax(), tree)
-        theirs = build(make_optax(), tree)
-        if not quick:  # a second pair, the other way round; the least counts
-            theirs_2 = build(make_optax(), tree)
-            ours_2 = build(make_clipax(), tree)
-            ours = ours._replace(compile_s=min(ours.compile_s, ours_2.compile_s))
-            theirs = theirs._replace(
-                compile_s=min(theirs.compile_s, theirs_2.compile_s)
-            )
+        # Pairs in the order clipax, optax, optax, clipax, ...; the least counts.
+        builds: tuple[list[Built], list[Built]] = ([], [])
+        for i in range(1 if quick else compiles):
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                builds[side].append(build((make_clipax, make_optax)[side](), tree))
+        ours, theirs = (
+            b[0]._replace(compile_s=min(x.compile_s for x in b)) for b in builds
+        )
         t_ours, t_theirs, t_read, t_write = interleaved(
             [ours.call, theirs.call, read, write], reps
         )
@@ -275,6 +365,7 @@ def bench_tree(name: str, tree: Tree, quick: bool) -> list[Row]:
                 t_read + t_write,
                 (ours.compile_s, theirs.compile_s),
                 (ours.peak_bytes, theirs.peak_bytes),
+                (ours.kernels, theirs.kernels),
             )
         )
         print(f"  measured {name} / {op}", file=sys.stderr, flush=True)
@@ -303,9 +394,32 @@ def chain_rows(cases: list[tuple[str, Tree]], quick: bool) -> list[tuple]:
 # Device throughput.
 
 
-def _floor_pass(tree: Tree) -> Tree:
-    """One read and one write of every leaf (`x * c`; XLA cannot drop it)."""
-    return jax.tree.map(lambda x: x * jnp.asarray(0.999, x.dtype), tree)
+def _write_pass(tree: Tree) -> Tree:
+    """One read and one write of every leaf: `x * 0.75`, exact in every float
+    dtype (a factor that rounds to 1, as 0.999 does in bfloat16, is dropped)."""
+    return jax.tree.map(lambda x: x * jnp.asarray(0.75, x.dtype), tree)
+
+
+def _read_loop(tree: Tree, k: int) -> Callable[[], Any]:
+    """One read of every leaf per pass, `k` passes in one `lax.fori_loop`.
+
+    Each pass sums every leaf times a loop-carried scalar, so that the sums
+    cannot be hoisted out of the loop as invariant.
+    """
+
+    def looped(t: Tree) -> jax.Array:
+        def body(_: Any, c: jax.Array) -> jax.Array:
+            leaves = jax.tree.leaves(t)
+            total = sum(
+                jnp.sum(x * c.astype(x.dtype), dtype=jnp.float32) for x in leaves
+            )
+            return c + 1e-30 * total
+
+        return jax.lax.fori_loop(0, k, body, jnp.float32(1))
+
+    jitted = jax.jit(looped)
+    jax.block_until_ready(jitted(tree))
+    return lambda: jitted(tree)
 
 
 def _clipped(tx: optax.GradientTransformation, state: Any, tree: Tree) -> Tree:
@@ -327,21 +441,24 @@ def device_loop(
 def device_rows(cases: list[tuple[str, Tree]], k: int, quick: bool) -> list[tuple]:
     """Per tree and op: seconds per pass of clipax, optax and the floor.
 
-    The floor is one read and one write of the tree (`x * c`, c a traced
-    scalar so that XLA cannot drop it). TB/s counts those bytes moved.
+    The floor is what a clip must move: one read pass of the tree (`_read_loop`)
+    plus one read-and-write pass (`_write_pass`), each timed in its own loop.
+    TB/s counts those bytes: three times the tree's.
     """
     out = []
     for name, tree in cases:
         _, _, nbytes = describe(tree)
         reps = max(3, repeats_for(nbytes, quick) // 3)
-        floor = device_loop(_floor_pass, tree, k)
+        read = _read_loop(tree, k)
+        write = device_loop(_write_pass, tree, k)
         for op, (make_clipax, make_optax) in OPS.items():
             calls = []
             for tx in (make_clipax(), make_optax()):
                 state = tx.init(tree)
                 step = functools.partial(_clipped, tx, state)
                 calls.append(device_loop(step, tree, k))
-            t_ours, t_theirs, t_floor = interleaved([*calls, floor], reps)
+            t_ours, t_theirs, t_read, t_write = interleaved([*calls, read, write], reps)
+            t_floor = t_read + t_write
             out.append((name, op, nbytes, t_ours / k, t_theirs / k, t_floor / k))
             print(f"  measured {name} / {op} (device)", file=sys.stderr, flush=True)
     return out
@@ -357,7 +474,7 @@ def print_device(rows: list[tuple], k: int) -> None:
     for name, op, nbytes, ours, theirs, floor in rows:
         print(
             f"| {name} | {op} (device) | {ms(ours)} | {ms(theirs)} | {ms(floor)} "
-            f"| {2 * nbytes / ours / 1e12:.3f} | {ours / floor:.2f} "
+            f"| {3 * nbytes / ours / 1e12:.3f} | {ours / floor:.2f} "
             f"| {theirs / floor:.2f} | {ours / theirs:.2f} |"
         )
 
@@ -404,16 +521,18 @@ def print_tables(
     print("\n### Run time (median ms), compile time (s), peak memory (MiB)\n")
     print(
         "| tree | op | run clipax | run optax | ratio | floor | clipax/floor "
-        "| compile clipax | compile optax | ratio | mem clipax | mem optax | ratio |"
+        "| compile clipax | compile optax | ratio | mem clipax | mem optax | ratio "
+        "| kernels clipax | kernels optax |"
     )
-    print("|---|---|" + "---:|" * 11)
+    print("|---|---|" + "---:|" * 13)
     for r in rows:
         print(
             f"| {r.tree} | {r.op} | {ms(r.run[0])} | {ms(r.run[1])} "
             f"| {r.run[0] / r.run[1]:.2f} | {ms(r.floor)} | {r.run[0] / r.floor:.2f} "
             f"| {r.compile_s[0]:.2f} | {r.compile_s[1]:.2f} "
             f"| {r.compile_s[0] / r.compile_s[1]:.2f} "
-            f"| {mib(r.peak[0])} | {mib(r.peak[1])} | {r.peak[0] / r.peak[1]:.2f} |"
+            f"| {mib(r.peak[0])} | {mib(r.peak[1])} | {r.peak[0] / r.peak[1]:.2f} "
+            f"| {r.kernels[0]} | {r.kernels[1]} |"
         )
     print("\n### In a chain with adam (median ms)\n")
     print(
@@ -502,12 +621,32 @@ def main(argv: list[str] | None = None) -> None:
         metavar="K",
         help="also time K clips in one jitted fori_loop (device time, TB/s)",
     )
+    parser.add_argument(
+        "--trees",
+        type=lambda v: v.split(","),
+        default=None,
+        metavar="KEY,...",
+        help=f"the trees to measure, of: {', '.join(TREES)} (default: "
+        f"{','.join(DEFAULT_TREES)})",
+    )
+    parser.add_argument(
+        "--compiles",
+        type=int,
+        default=2,
+        metavar="N",
+        help="fresh compiles per library and op; the least counts (default 2)",
+    )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.trees or ()) - set(TREES))
+    if unknown:
+        parser.error(f"--trees: unknown {unknown}; known: {', '.join(TREES)}")
     print(f"clipax vs optax: {header()}")
     if not args.only_plot:
-        cases = tree_cases(args.quick)
+        cases = tree_cases(args.quick, args.trees)
         rows = [
-            row for name, tree in cases for row in bench_tree(name, tree, args.quick)
+            row
+            for name, tree in cases
+            for row in bench_tree(name, tree, args.quick, args.compiles)
         ]
         chain_names = {"1 x 16M f32", "2000 x 1k f32", "gpt2 124M f32"}
         chain_cases = (

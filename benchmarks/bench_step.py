@@ -9,6 +9,7 @@ each pair counts). The step is `bench_skip.training_step`.
 
     PYTHONPATH=src python benchmarks/bench_step.py            # every tree
     PYTHONPATH=src python benchmarks/bench_step.py --quick    # smoke run
+    PYTHONPATH=src python benchmarks/bench_step.py --trees gpt2-f32,llama1B
 
 The trees: ResNet-50 (161 leaves, 25.6M parameters), GPT-2 small in float32
 and bfloat16 (148 leaves, 124M), a Llama-shaped tree (8 layers of width 512,
@@ -26,7 +27,6 @@ from typing import Any
 import bench_clipping as bench
 import bench_skip
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import clipax
@@ -34,70 +34,13 @@ import clipax
 TARGET = 1.1
 
 
-def resnet50_shapes() -> dict[str, tuple[int, ...]]:
-    """The parameter shapes of ResNet-50 (convolutions HWIO, batch norms)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def conv_bn(name: str, k: int, cin: int, cout: int) -> None:
-        shapes[f"{name}.conv"] = (k, k, cin, cout)
-        shapes[f"{name}.bn.scale"] = (cout,)
-        shapes[f"{name}.bn.bias"] = (cout,)
-
-    conv_bn("stem", 7, 3, 64)
-    cin = 64
-    stages = zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)
-    for stage, (blocks, width) in enumerate(stages):
-        for block in range(blocks):
-            name = f"s{stage}.b{block}"
-            conv_bn(f"{name}.c1", 1, cin, width)
-            conv_bn(f"{name}.c2", 3, width, width)
-            conv_bn(f"{name}.c3", 1, width, 4 * width)
-            if block == 0:
-                conv_bn(f"{name}.proj", 1, cin, 4 * width)
-            cin = 4 * width
-    shapes["fc.w"] = (cin, 1000)
-    shapes["fc.b"] = (1000,)
-    return shapes
+STEP_TREES = ["resnet50", "gpt2-f32", "gpt2-bf16", "llama8L", "gpt48L"]
 
 
-def llama_shapes(
-    vocab: int = 32000, d: int = 512, ffn: int = 1376, layers: int = 8
-) -> dict[str, tuple[int, ...]]:
-    """A Llama-shaped tree: RMSNorm scales, q/k/v/o, SwiGLU, untied head."""
-    shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
-    for i in range(layers):
-        block = {
-            "attn_norm": (d,),
-            "wq": (d, d),
-            "wk": (d, d),
-            "wv": (d, d),
-            "wo": (d, d),
-            "mlp_norm": (d,),
-            "w_gate": (d, ffn),
-            "w_up": (d, ffn),
-            "w_down": (ffn, d),
-        }
-        shapes.update({f"l{i:02d}.{k}": v for k, v in block.items()})
-    shapes.update({"final_norm": (d,), "lm_head": (d, vocab)})
-    return shapes
-
-
-def tree_of(shapes: dict[str, tuple[int, ...]], dtype: Any) -> Any:
-    rng = np.random.default_rng(3)
-    leaves = bench._leaves(rng, list(shapes.values()), dtype)
-    return dict(zip(shapes, leaves, strict=True))
-
-
-def tree_cases(quick: bool) -> list[tuple[str, Any]]:
+def tree_cases(quick: bool, keys: list[str] | None) -> list[tuple[str, Any]]:
     if quick:
         return [("gpt2-tiny f32", bench.gpt2_tree(jnp.float32, small=True))]
-    return [
-        ("resnet-50 f32", tree_of(resnet50_shapes(), jnp.float32)),
-        ("gpt2 124M f32", bench.gpt2_tree(jnp.float32)),
-        ("gpt2 124M bf16", bench.gpt2_tree(jnp.bfloat16)),
-        ("llama 8L f32", tree_of(llama_shapes(), jnp.float32)),
-        ("gpt 48L f32", tree_of(bench.gpt2_shapes(d=256, layers=48), jnp.float32)),
-    ]
+    return bench.tree_cases(False, keys or STEP_TREES)
 
 
 STEPS = {
@@ -113,7 +56,18 @@ def geomean(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument(
+        "--trees",
+        type=lambda v: v.split(","),
+        default=None,
+        metavar="KEY,...",
+        help=f"the trees, of: {', '.join(bench.TREES)} (default: "
+        f"{','.join(STEP_TREES)})",
+    )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.trees or ()) - set(bench.TREES))
+    if unknown:
+        parser.error(f"--trees: unknown {unknown}; known: {', '.join(bench.TREES)}")
     print(f"training step, clipax vs optax clip_by_global_norm: {bench.header()}")
     print(
         "\n| tree | leaves | params | clipax run ms | optax run ms | run ratio "
@@ -121,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     runs, compiles = [], []
-    for name, tree in tree_cases(args.quick):
+    for name, tree in tree_cases(args.quick, args.trees):
         leaves, count, _ = bench.describe(tree)
         got = bench_skip.measure(tree, STEPS, args.quick)
         (run_c, comp_c), (run_o, comp_o) = got["clipax"], got["optax"]

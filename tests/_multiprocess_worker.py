@@ -154,6 +154,9 @@ def check_skip_spikes(mesh: jax.sharding.Mesh, sharded: dict) -> str:
 if __name__ == "__main__":
     # Before JAX starts its backend (it does so lazily, on first use). Only
     # here: pytest imports this module when it collects doctests.
+    # The platform through the config, not JAX_PLATFORMS, which JAX read when
+    # it was imported: on a GPU machine (CLIPAX_TEST_DEVICES=native) the
+    # variable is unset and the GPU would be taken.
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
     main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

@@ -71,6 +71,9 @@ def main() -> None:
 if __name__ == "__main__":
     # Before JAX starts its backend (lazily, on first use); only here, since
     # pytest imports this module when it collects doctests.
+    # The platform through the config, not JAX_PLATFORMS, which JAX read when
+    # it was imported: on a GPU machine (CLIPAX_TEST_DEVICES=native) the
+    # variable is unset and the GPU would be taken.
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    jax.config.update("jax_platforms", "cpu")
     main()

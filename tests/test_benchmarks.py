@@ -36,7 +36,7 @@ def test_quick_run_prints_every_row() -> None:
             row = [line for line in lines if line.startswith(f"| {tree} | {op} |")]
             assert len(row) == 1, (tree, op)
             cells = [c.strip() for c in row[0].strip("|").split("|")]
-            assert len(cells) == 13
+            assert len(cells) == 15
             numbers = [float(c) for c in cells[2:]]
             assert all(n >= 0 for n in numbers), row
     assert "### In a chain with adam (median ms)" in stdout

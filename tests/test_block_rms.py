@@ -96,7 +96,8 @@ def test_none_masked_and_empty_leaves():
     out, _ = tx.update(tree, tx.init(tree))
     assert out["n"] is None and isinstance(out["m"], optax.MaskedNode)
     chex.assert_shape(out["e"], (0, 3))
-    np.testing.assert_allclose(out["x"], [0.5, 0.5])
+    # rtol: a float32 ulp (XLA:GPU returned 0.50000006 on an H100).
+    np.testing.assert_allclose(out["x"], [0.5, 0.5], rtol=2e-7)
 
 
 def test_traced_threshold_and_non_positive_gives_zeros():
