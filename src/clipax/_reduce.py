@@ -425,7 +425,7 @@ def _norm_in_range(plain: jax.Array, shifted: Sequence[jax.Array]) -> jax.Array:
 
     One root, of the selected sum: this runs once per leaf in `clip_by_norm`'s
     exact branch, where a root of each of the three sums made the branch
-    trace and compile 13-19 % slower (benchmarks/RESULTS.md).
+    trace and compile 13-21 % slower (benchmarks/RESULTS.md).
     """
     over = jnp.isposinf(plain)
     under = plain < _trust_floor(plain.dtype)
