@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
 
 from tests import helpers
 
@@ -84,3 +90,61 @@ def test_step_benchmark_quick_run_prints_its_row_and_the_geometric_mean() -> Non
     lines, cells = _quick_row(STEP_SCRIPT, title, 9)
     assert all(float(c.replace(",", "")) > 0 for c in cells[1:]), cells
     assert any(line.startswith("geometric mean: run ") for line in lines), lines
+
+
+# The harness's own pieces, imported (the scripts' folder is not a package).
+sys.path.insert(0, str(SCRIPT.parent))
+import bench_clipping as bench  # noqa: E402
+import bench_step  # noqa: E402
+
+
+def test_tree_keys_name_the_model_shapes() -> None:
+    labels = [label for label, _ in bench.TREES.values()]
+    assert len(set(labels)) == len(labels)
+    assert set(bench.DEFAULT_TREES) <= set(bench.TREES)
+    assert set(bench_step.STEP_TREES) <= set(bench.TREES)
+    for shapes, leaves, params in (
+        (bench.gpt2_shapes(), 148, 124_439_808),
+        (bench.resnet50_shapes(), 161, 25_557_032),
+        (bench.llama_shapes(), 75, 58_073_600),
+        (bench.llama_shapes(d=2048, ffn=5632, layers=16), 147, 953_223_168),
+    ):
+        assert len(shapes) == leaves
+        assert sum(math.prod(s) for s in shapes.values()) == params
+    [(label, tree)] = bench.tree_cases(False, ["2x4M"])
+    assert label == "2 x 4M f32"
+    assert [x.shape for x in jax.tree.leaves(tree)] == [(1 << 22,)] * 2
+
+
+@pytest.mark.parametrize("script", [bench, bench_step])
+def test_an_unknown_tree_key_is_refused(script, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--trees", "gpt2-f32,gpt3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trees: unknown ['gpt3']" in err and "resnet50" in err, err
+
+
+def test_compiles_sets_the_fresh_builds_per_side(monkeypatch) -> None:
+    built = []
+
+    def counting_build(tx, tree):
+        built.append(tx)
+        return real_build(tx, tree)
+
+    real_build = bench.build
+    monkeypatch.setattr(bench, "build", counting_build)
+    monkeypatch.setattr(bench, "repeats_for", lambda nbytes, quick: 1)
+    rows = bench.bench_tree("tiny", {"a": jnp.ones(3), "b": jnp.ones((2, 2))}, False, 3)
+    assert len(built) == 3 * 2 * len(bench.OPS)
+    assert [r.op for r in rows] == list(bench.OPS)
+    assert all(r.kernels[0] >= 1 and r.kernels[1] >= 1 for r in rows), rows
+
+
+def test_kernel_count_counts_each_leafs_kernels() -> None:
+    def count(n: int) -> int:
+        leaves = [jnp.ones(10 + i) for i in range(n)]
+        scaled = jax.jit(lambda ls: [jnp.sum(x * x) for x in ls])
+        return bench.kernel_count(scaled.lower(leaves).compile())
+
+    assert 1 <= count(1) < count(4)

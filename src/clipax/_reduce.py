@@ -498,7 +498,10 @@ def leaf_peak_norms(
     norms: list[jax.Array], placements: list[list[MeshAxes]] | None
 ) -> list[jax.Array]:
     """The largest slice norm of each leaf, the same on every device."""
-    peaks = [jnp.max(n, initial=0.0) for n in norms]
+    # A whole-leaf norm is its own peak: a reshape, not one more kernel per leaf.
+    peaks = [
+        jnp.reshape(n, ()) if n.size == 1 else jnp.max(n, initial=0.0) for n in norms
+    ]
     if placements is None or not peaks:
         return peaks
     groups = [reduced_mesh_axes(e, range(len(e))) for e in placements]
