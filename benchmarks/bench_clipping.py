@@ -212,6 +212,28 @@ TREES: dict[str, tuple[str, Callable[[], Tree]]] = {
 DEFAULT_TREES = ["1x16M", "400x40k", "2000x1k", "gpt2-f32", "gpt2-bf16", "mixed"]
 
 
+def add_trees_option(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """`--trees KEY,...`: keys of `TREES`, checked as the arguments are parsed."""
+
+    def keys(value: str) -> list[str]:
+        chosen = value.split(",")
+        unknown = sorted(set(chosen) - set(TREES))
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown}; known: {', '.join(TREES)}"
+            )
+        return chosen
+
+    parser.add_argument(
+        "--trees",
+        type=keys,
+        default=None,
+        metavar="KEY,...",
+        help=f"the trees to measure, of: {', '.join(TREES)} (default: "
+        f"{','.join(default)})",
+    )
+
+
 def tree_cases(quick: bool, keys: list[str] | None = None) -> list[tuple[str, Tree]]:
     if quick:
         return [
@@ -621,14 +643,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="K",
         help="also time K clips in one jitted fori_loop (device time, TB/s)",
     )
-    parser.add_argument(
-        "--trees",
-        type=lambda v: v.split(","),
-        default=None,
-        metavar="KEY,...",
-        help=f"the trees to measure, of: {', '.join(TREES)} (default: "
-        f"{','.join(DEFAULT_TREES)})",
-    )
+    add_trees_option(parser, DEFAULT_TREES)
     parser.add_argument(
         "--compiles",
         type=int,
@@ -637,9 +652,6 @@ def main(argv: list[str] | None = None) -> None:
         help="fresh compiles per library and op; the least counts (default 2)",
     )
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.trees or ()) - set(TREES))
-    if unknown:
-        parser.error(f"--trees: unknown {unknown}; known: {', '.join(TREES)}")
     print(f"clipax vs optax: {header()}")
     if not args.only_plot:
         cases = tree_cases(args.quick, args.trees)

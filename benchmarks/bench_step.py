@@ -56,18 +56,8 @@ def geomean(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument(
-        "--trees",
-        type=lambda v: v.split(","),
-        default=None,
-        metavar="KEY,...",
-        help=f"the trees, of: {', '.join(bench.TREES)} (default: "
-        f"{','.join(STEP_TREES)})",
-    )
+    bench.add_trees_option(parser, STEP_TREES)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.trees or ()) - set(bench.TREES))
-    if unknown:
-        parser.error(f"--trees: unknown {unknown}; known: {', '.join(bench.TREES)}")
     print(f"training step, clipax vs optax clip_by_global_norm: {bench.header()}")
     print(
         "\n| tree | leaves | params | clipax run ms | optax run ms | run ratio "
