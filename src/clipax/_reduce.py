@@ -8,8 +8,9 @@ chosen from that sum (`_next_scale`): the two passes are the iterations of one
 `lax.while_loop`, so the reductions are compiled once. Per-slice norms
 (`slice_norms`, for `clip_by_norm`) take one float32 sum of squares per slice,
 the bare formula's, and one scalar test over the whole tree decides under one
-`lax.cond` whether the shifted sums that repair overflow and underflow are
-taken (a loop with per-leaf carries compiled slower there).
+`lax.cond` whether a second pass, each slice scaled by a power of two chosen
+from its own sum, repairs overflow and underflow (a loop with per-leaf
+carries compiled slower there).
 
 Two concerns meet here, each solved once:
 
@@ -23,9 +24,9 @@ Two concerns meet here, each solved once:
   extremes (or all-zero slices, for per-slice norms) take the second pass.
   For the global norm it scales every element by the same power of two (for
   orders above 2, whose powers span more than float32's range, one taken
-  from the largest |x|, in a pass of its own); for per-slice norms it sums
-  the squares of x 2**-80 and x 2**80 and keeps the one in range. All are
-  exact.
+  from the largest |x|, in a pass of its own); for per-slice norms, each
+  slice by 2**-80 or 2**80 as its plain sum overflowed or underflowed. All
+  are exact.
 """
 
 from __future__ import annotations
@@ -394,44 +395,35 @@ def _norm_in_two_passes(
     return norm(list(leaves))
 
 
-# The exact pass of per-slice norms scales each element by 2**-SHIFT (for sums
-# that overflowed) and by 2**SHIFT (for sums below `_trust_floor`, or 0): with
-# |x| < 2**64 (the sum did not overflow) or |x| < 2**-31.5 (it was below the
-# floor), one of the two sums is in range and exact. Scaling by powers of two
-# loses nothing.
+# The exact pass of per-slice norms scales each slice by a power of two chosen
+# from its plain sum (`_range_scale`): 2**-SHIFT where the sum overflowed
+# (then |x| < 2**128 and every square of x 2**-80 is below 2**96) and 2**SHIFT
+# where it fell below `_trust_floor` (then |x| < 2**-31.5, and x 2**80 lifts
+# every nonzero square, subnormal x included, to a normal float below 2**97).
+# Scaling by powers of two loses nothing.
 SHIFT = 80
 
 
-def _shifted_sums(x: jax.Array, axes: tuple[int, ...]) -> list[jax.Array]:
-    """Sums of |x 2**-SHIFT|**2 and |x 2**SHIFT|**2 over `axes` (kept as
-    size-1 dims)."""
-    acc = _common.accum_dtype(x.dtype)
-    sums = []
-    for shift in (-SHIFT, SHIFT):
-        # Each pass takes the leaf through a barrier of its own with its scale
-        # (`_fused.scaled_pair`): a narrow leaf's float32 upcast is then fused
-        # into each reduction, never written out, and XLA cannot fold the
-        # constant scale into the square (x**2 * 2**160 is 0 * inf = NaN for
-        # x = 0, as it did for 0-d leaves without the barrier).
-        leaf, scale = _fused.scaled_pair(x, jnp.asarray(2.0**shift, acc))
-        squares = _common.powers(_upcast(leaf) * scale, 2.0)
-        sums.append(jnp.sum(squares, axis=axes, keepdims=True))
-    return sums
+def _range_scale(total: jax.Array) -> jax.Array:
+    """The power of two by which the exact pass scales the slices of `total`:
+    2**-SHIFT where it is inf, 2**SHIFT where it is below `_trust_floor`, 1
+    elsewhere (those slices' sums come out as in the plain pass)."""
+    one = jnp.ones_like(total)
+    up = jnp.where(total < _trust_floor(total.dtype), one * 2.0**SHIFT, one)
+    return jax.lax.stop_gradient(jnp.where(jnp.isposinf(total), one * 2.0**-SHIFT, up))
 
 
-def _norm_in_range(plain: jax.Array, shifted: Sequence[jax.Array]) -> jax.Array:
-    """The L2 norm from the plain sum, or where it is inf or below the floor,
-    from the shifted sum in range, scaled back.
+def _rescaled_sum(x: jax.Array, axes: tuple[int, ...], scale: jax.Array) -> jax.Array:
+    """The sum of |x scale|**2 over `axes` (kept as size-1 dims).
 
-    One root, of the selected sum: this runs once per leaf in `clip_by_norm`'s
-    exact branch, where a root of each of the three sums made the branch
-    trace and compile 13-21 % slower (benchmarks/RESULTS.md).
+    `scale` is chosen at run time, so XLA cannot fold it into the square (a
+    constant 2**80 became 2**160 = inf there, and 0 * inf = NaN). A narrow
+    leaf goes through a barrier with its scale (`_fused.scaled_pair`), so that
+    its float32 upcast is fused into this reduction, never written out.
     """
-    over = jnp.isposinf(plain)
-    under = plain < _trust_floor(plain.dtype)
-    total = jnp.where(over, shifted[0], jnp.where(under, shifted[1], plain))
-    factor = jnp.where(over, 2.0**SHIFT, jnp.where(under, 2.0**-SHIFT, 1.0))
-    return _common.safe_root(total, 2.0) * factor.astype(plain.dtype)
+    if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
+        x, scale = _fused.scaled_pair(x, scale)
+    return jnp.sum(_common.powers(_upcast(x) * scale, 2.0), axis=axes, keepdims=True)
 
 
 def slice_norms(
@@ -445,7 +437,9 @@ def slice_norms(
     float32 sum of squares per slice. One scalar test over the whole tree,
     "some sum is inf or below `_trust_floor`" (0 included: a slice whose
     squares all underflowed sums to 0 too), decides under one `lax.cond`
-    whether the shifted sums (`_shifted_sums`) are taken. With
+    whether the rescaled sums (`_range_scale`, `_rescaled_sum`) are taken:
+    one reduction per leaf, where a sum of x 2**-80 and one of x 2**80 for
+    every leaf compiled 1.5-1.8 x slower (benchmarks/RESULTS.md). With
     `placements`, sums over sharded dimensions are completed across devices
     (one psum per axis set) and the test is the same on every device.
     """
@@ -483,15 +477,19 @@ def slice_norms(
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
 
     def exact() -> list[jax.Array]:
-        pairs = zip(leaves, leaf_axes, strict=True)
-        out = [part for x, a in pairs for part in _shifted_sums(x, a)]
-        twice = [g for g in groups for _ in range(2)]
-        both = [b for b in buckets for _ in range(2)]
-        out = _collective(out, twice, jax.lax.psum, both)
-        triples = zip(sums, out[::2], out[1::2], strict=True)
-        return [_norm_in_range(s, (down, up)) for s, down, up in triples]
+        scales = [_range_scale(s) for s in sums]
+        pairs = zip(leaves, leaf_axes, scales, strict=True)
+        out = [_rescaled_sum(x, a, f) for x, a, f in pairs]
+        out = _collective(out, groups, jax.lax.psum, buckets)
+        return [_common.safe_root(t, 2.0) / f for t, f in zip(out, scales, strict=True)]
 
-    return _branch(untrusted, exact, lambda: [_common.safe_root(s, 2.0) for s in sums])
+    def plain() -> list[jax.Array]:
+        # Taken only when every sum is at least `_trust_floor` (or NaN): the
+        # floor changes no value, and keeps the root's derivative finite
+        # where `vmap` evaluates this branch on the rare one's inputs.
+        return [jnp.sqrt(jnp.maximum(s, _trust_floor(s.dtype))) for s in sums]
+
+    return _branch(untrusted, exact, plain)
 
 
 def leaf_peak_norms(
