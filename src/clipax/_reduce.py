@@ -399,7 +399,8 @@ def _norm_in_two_passes(
 # from its plain sum (`_range_scale`): 2**-SHIFT where the sum overflowed
 # (then |x| < 2**128 and every square of x 2**-80 is below 2**96) and 2**SHIFT
 # where it fell below `_trust_floor` (then |x| < 2**-31.5, and x 2**80 lifts
-# every nonzero square, subnormal x included, to a normal float below 2**97).
+# the square of every |x| >= 2**-143, all normal and most subnormal floats, to
+# a normal float below 2**97).
 # Scaling by powers of two loses nothing.
 SHIFT = 80
 
@@ -439,7 +440,7 @@ def slice_norms(
     squares all underflowed sums to 0 too), decides under one `lax.cond`
     whether the rescaled sums (`_range_scale`, `_rescaled_sum`) are taken:
     one reduction per leaf, where a sum of x 2**-80 and one of x 2**80 for
-    every leaf compiled 1.5-1.8 x slower (benchmarks/RESULTS.md). With
+    every leaf compiled 1.1-1.5 x slower (benchmarks/RESULTS.md). With
     `placements`, sums over sharded dimensions are completed across devices
     (one psum per axis set) and the test is the same on every device.
     """
