@@ -146,6 +146,11 @@ def concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
+def is_narrow(dtype: Any) -> bool:
+    """Whether leaves of `dtype` are upcast to accumulate (float16, bfloat16)."""
+    return _common.accum_dtype(dtype).itemsize > np.dtype(dtype).itemsize
+
+
 def opaque_if_narrow(x: jax.Array) -> jax.Array:
     """`x`, hidden from common-subexpression elimination when it is upcast.
 
@@ -157,7 +162,7 @@ def opaque_if_narrow(x: jax.Array) -> jax.Array:
     so each is fused into its own consumer. A second pass over the same leaf
     takes it through a barrier of its own (`scaled_pair`).
     """
-    if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
+    if is_narrow(x.dtype):
         return jax.lax.optimization_barrier(x)
     return x
 

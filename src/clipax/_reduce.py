@@ -422,7 +422,7 @@ def _rescaled_sum(x: jax.Array, axes: tuple[int, ...], scale: jax.Array) -> jax.
     leaf goes through a barrier with its scale (`_fused.scaled_pair`), so that
     its float32 upcast is fused into this reduction, never written out.
     """
-    if _common.accum_dtype(x.dtype).itemsize > x.dtype.itemsize:
+    if _fused.is_narrow(x.dtype):
         x, scale = _fused.scaled_pair(x, scale)
     return jnp.sum(_common.powers(_upcast(x) * scale, 2.0), axis=axes, keepdims=True)
 
