@@ -113,6 +113,20 @@ def test_combined_norm_is_exact_without_overflow(scale):
     assert float(_adaptive.combined_norm(jnp.zeros((0,), jnp.float32))) == 0.0
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_combined_norm_near_the_largest_float(jit):
+    # 1 / 3e38 is subnormal in float32: a division by the largest entry, which
+    # XLA turns into a multiplication by its reciprocal, flushed it to 0.
+    f = jax.jit(_adaptive.combined_norm) if jit else _adaptive.combined_norm
+    norms = np.array([[3e38, 2e38], [1.0, 2e38]])
+    want = np.sqrt(np.sum(norms**2, axis=0))  # float64; the second is 2.8e38
+    got = f(jnp.asarray(norms, jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    small = np.array([2e-38, 1.5e-38, 0.0])  # near the smallest normal float
+    got = f(jnp.asarray(small, jnp.float32))
+    np.testing.assert_allclose(got, np.sqrt(np.sum(small**2)), rtol=1e-6)
+
+
 def test_combined_norm_of_nan_and_inf():
     f = _adaptive.combined_norm
     assert math.isnan(f(jnp.array([1.0, math.nan, math.inf])))

@@ -107,15 +107,18 @@ def check_positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
 def combined_norm(norms: jax.Array) -> jax.Array:
     """The L2 norm of norms along axis 0 (the global norm of their leaves).
 
-    Scaled by the largest entry, so it neither overflows nor underflows where
-    the entries do not; NaN if an entry is NaN, else inf if one is inf.
+    Scaled by a power of two near the largest entry, so it neither overflows
+    nor underflows where the entries do not; NaN if an entry is NaN, else inf
+    if one is inf. (Dividing by the largest entry itself is not exact: XLA
+    multiplies by its reciprocal, which for entries above about 8.5e37 in
+    float32 is subnormal and flushed to 0.)
     """
     if norms.shape[0] == 0:
         return jnp.zeros(norms.shape[1:], norms.dtype)
     peak = jnp.max(norms, axis=0)
     usable = jnp.isfinite(peak) & (peak > 0)
-    unit = jnp.where(usable, peak, jnp.ones_like(peak))
-    total = unit * jnp.sqrt(jnp.sum(jnp.square(norms / unit), axis=0))
+    inverse = _reduce.power_of_two_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
+    total = jnp.sqrt(jnp.sum(jnp.square(norms * inverse), axis=0)) / inverse
     return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
 
 

@@ -212,7 +212,7 @@ def _exponent_bound(dtype: np.dtype) -> int:
     return int(np.finfo(dtype).maxexp) - 3
 
 
-def _power_of_two_scale(peak: jax.Array) -> jax.Array:
+def power_of_two_scale(peak: jax.Array) -> jax.Array:
     """2**-e with 2**e near `peak`: multiplying by it is exact."""
     _, exponent = jnp.frexp(peak)
     bound = _exponent_bound(peak.dtype)
@@ -283,7 +283,7 @@ def global_norm(
     if p > 2:
         # Rare orders: a peak pass, then one sum rescaled by it (two passes).
         top = peak()
-        inverse = _power_of_two_scale(top)
+        inverse = power_of_two_scale(top)
         return _finish(summed(leaves, inverse), top, inverse, p)
     # Inside shard_map, the sum varies over the mesh axes its leaves vary
     # over, less those it is psummed over; the loop's carry must say so.
