@@ -85,6 +85,22 @@ def test_zero_params_are_measured_against_eps():
     np.testing.assert_allclose(out["b"], [0.03, 0.0, 0.04], rtol=1e-6)
 
 
+def test_infinite_clipping_keeps_units_of_zero_parameters():
+    # The limit inf * max(0, eps=0) is inf * 0 = NaN unless inf is taken as
+    # "no limit": every unit must pass unchanged.
+    params = {"b": jnp.zeros(3), "w": jnp.ones((2, 2))}
+    grads = {"b": jnp.array([3.0, 0.0, 4.0]), "w": jnp.full((2, 2), 1e30)}
+    tx = clipax.adaptive_grad_clip(math.inf, eps=0.0)
+    out, _ = tx.update(grads, tx.init(params), params)
+    chex.assert_trees_all_equal(out, grads)
+    traced = jax.jit(
+        lambda g, c: clipax.adaptive_grad_clip(c, eps=0.0).update(
+            g, optax.EmptyState(), params
+        )[0]
+    )(grads, jnp.float32(math.inf))
+    chex.assert_trees_all_equal(traced, grads)
+
+
 def test_float16_norms_do_not_overflow():
     # Squares of 300 overflow float16 (max 65504): optax zeroes these updates.
     params = {"h": jnp.full((4,), 1000.0, jnp.float16)}
@@ -122,6 +138,20 @@ def test_none_and_masked_leaves_stay_empty():
     out, _ = masked.update(full, masked.init(params), params)
     np.testing.assert_allclose(out["b"], [0.1 * math.sqrt(2), 0.0], rtol=1e-6)
     chex.assert_trees_all_equal(out["a"], full["a"])
+
+
+def test_params_under_empty_updates_are_not_checked():
+    # An integer step counter among the params, with no update there.
+    params = {"w": jnp.array([3.0, 4.0]), "step": jnp.array(7, jnp.int32)}
+    tx = clipax.adaptive_grad_clip(0.1)
+    for empty in (None, optax.MaskedNode()):
+        grads = {"w": jnp.array([6.0, 8.0]), "step": empty}
+        out, _ = tx.update(grads, optax.EmptyState(), params)
+        assert out["step"] is empty
+        np.testing.assert_allclose(out["w"], [0.3, 0.4], rtol=1e-6)
+    with pytest.raises(TypeError, match=r"\['step'\] has dtype int32"):
+        grads = {"w": jnp.ones(2), "step": jnp.ones((), jnp.float32)}
+        tx.update(grads, optax.EmptyState(), params)
 
 
 def test_update_without_params_raises():
@@ -203,6 +233,12 @@ def test_traced_non_positive_clipping_gives_zeros(clipping):
 def test_rejects_bad_arguments(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         clipax.adaptive_grad_clip(*args, **kwargs)
+
+
+def test_traced_axis_is_named_axis():
+    tx = optax.inject_hyperparams(clipax.adaptive_grad_clip)(clipping=0.1, axis=0)
+    with pytest.raises(TypeError, match=r"`axis` got a traced value"):
+        tx.init({"w": jnp.ones((3, 2))})
 
 
 def test_init_rejects_integer_params():

@@ -12,7 +12,9 @@ from jax.typing import ArrayLike
 
 from clipax import _adaptive, _common
 
-DIV_EPS = 1e-6  # optax's floor on the update norm in the division; never binds
+# optax's floor on the update norm in the division: a unit whose update norm
+# is below it and above its limit is scaled to below that limit, as in optax.
+DIV_EPS = 1e-6
 NO_PARAMS = (
     "`adaptive_grad_clip` clips each update against the norm of its parameter, "
     "so `update` needs `params`; got params=None. Call "
@@ -60,9 +62,11 @@ def _clip_unit(
     g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, clipping: Any, eps: Any
 ) -> jax.Array:
     """Each unit of `g` scaled down to `clipping * max(|w|, eps)` if above it."""
-    limit = jnp.asarray(clipping, g_norm.dtype) * jnp.maximum(
-        w_norm, jnp.asarray(eps, g_norm.dtype)
-    )
+    ratio_bound = jnp.asarray(clipping, g_norm.dtype)
+    limit = ratio_bound * jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
+    # An infinite `clipping` allows every norm, also against a zero parameter
+    # norm with eps = 0, where inf * 0 is NaN.
+    limit = jnp.where(jnp.isposinf(ratio_bound), jnp.inf, limit)
     # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN.
     ratio = jnp.maximum(limit, 0) / jnp.maximum(g_norm, DIV_EPS)
     scale = jnp.where(g_norm < limit, 1, ratio)
@@ -89,9 +93,10 @@ def adaptive_grad_clip(
     default as optax: a whole vector, each output column of a Dense kernel,
     each output channel of a convolution kernel; see `axis`). A unit whose
     update norm `|g|` is at least `clipping * max(|w|, eps)`, `|w|` being the
-    norm of the same unit of the parameters, is scaled down to exactly that
-    norm; the others pass unchanged. `eps` keeps zero-initialised parameters
-    (biases) from freezing.
+    norm of the same unit of the parameters, is scaled down to that
+    norm (to less where that norm is below 1e-6, optax's floor on the divisor,
+    as in optax); the others pass unchanged. `eps` keeps zero-initialised
+    parameters (biases) from freezing.
 
     As in the rest of clipax, norms are accumulated in float32 (float64 for
     float64 leaves) and each leaf keeps its dtype; optax squares in the leaf's
@@ -115,7 +120,10 @@ def adaptive_grad_clip(
         accepted; at `init` or `update` if `axis` is out of range for a leaf,
         or a leaf of rank above 5 gets no `axis`; at `update` if `params` is
         None.
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a floating-point or complex array (of the
+        parameters, only where the update leaf is not None or
+        `optax.MaskedNode`), or if `axis` is traced (under
+        `optax.inject_hyperparams`, name it in `static_args`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -138,15 +146,14 @@ def adaptive_grad_clip(
     _check_eps(eps)
     try:
         axes = _common.normalize_axes(axis)
-    except ValueError as error:  # the shared message names `axes`
-        raise ValueError(_axis_message(error)) from None
+    except (ValueError, TypeError) as error:  # the shared message names `axes`
+        raise type(error)(_axis_message(error)) from None
 
     def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
         if params is None:
             raise ValueError(NO_PARAMS)
         updates, params = _common.as_arrays(updates), _common.as_arrays(params)
         _common.check_norm_leaves(updates, "adaptive_grad_clip")
-        _common.check_norm_leaves(params, "adaptive_grad_clip")
 
         def clip_leaf(path: _common.KeyPath, g: Any, w: Any) -> Any:
             if _is_empty(g):
@@ -157,6 +164,7 @@ def adaptive_grad_clip(
                     f"{g.shape} at {_common.path_str(path)}; got "
                     f"{getattr(w, 'shape', w)!r}."
                 )
+            _common.check_norm_leaf(path, w, "adaptive_grad_clip")
             reduce = unit_axes(axes, path, g.shape)
             g_norm, w_norm = _adaptive.unit_norms(
                 [jnp.asarray(g), jnp.asarray(w)], [reduce, reduce]

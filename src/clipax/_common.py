@@ -97,14 +97,19 @@ def check_norm_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
     """
     flat = leaves_with_paths(tree)
     for path, leaf in flat:
-        dtype = _array_dtype(path, leaf)
-        if not is_inexact(dtype):
-            raise TypeError(
-                f"`{fn_name}` takes norms of floating-point or complex leaves; the "
-                f"leaf at {path_str(path)} has dtype {dtype}. Cast it to a float "
-                "dtype, or leave it out of the clipped tree (None, optax.masked)."
-            )
+        check_norm_leaf(path, leaf, fn_name)
     return flat
+
+
+def check_norm_leaf(path: KeyPath, leaf: Any, fn_name: str) -> None:
+    """`check_norm_leaves` for one leaf, at `path` in its tree."""
+    dtype = _array_dtype(path, leaf)
+    if not is_inexact(dtype):
+        raise TypeError(
+            f"`{fn_name}` takes norms of floating-point or complex leaves; the "
+            f"leaf at {path_str(path)} has dtype {dtype}. Cast it to a float "
+            "dtype, or leave it out of the clipped tree (None, optax.masked)."
+        )
 
 
 def check_value_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
