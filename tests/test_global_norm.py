@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import chex
@@ -239,6 +240,43 @@ def test_gradient_through_clipping_is_finite(ord: float, scale: float) -> None:
     chex.assert_tree_all_finite(grads)
     if scale == 0.0:  # optax gives NaN here; a zero tree is a fixed point
         assert float(grads[1]) == 0.0
+
+
+@pytest.mark.parametrize("clip", ["global", "per_leaf"])
+@pytest.mark.parametrize(("max_norm", "scale"), [(math.inf, 1.0), (1e30, 1e-10)])
+def test_gradient_is_finite_when_nothing_is_clipped(
+    clip: str, max_norm: float, scale: float
+) -> None:
+    # max_norm / norm is inf here, in the branch the clip does not take.
+    tree = {"w": jnp.array([3.0, 4.0]) * scale, "b": jnp.array([1.0]) * scale}
+
+    def loss(t: dict) -> jax.Array:
+        if clip == "global":
+            clipped = clipax.tree.clip_by_global_norm(t, max_norm)[0]
+        else:
+            clipped = clipax.tree.clip_by_norm(t, max_norm)
+        return optax.tree.norm(clipped, squared=True)
+
+    grads = jax.grad(loss)(tree)
+    chex.assert_trees_all_close(grads, jax.tree.map(lambda x: 2 * x, tree))
+
+
+@pytest.mark.parametrize("ord", [2.0, 1.5, 1.0, math.inf])
+def test_jitted_norm_can_be_differentiated(ord: float) -> None:
+    # The norm's custom derivative once closed over a tracer of the jit's
+    # trace, which escaped when the jitted function was differentiated.
+    x = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([-1.0])}
+    norm = functools.partial(clipax.tree.global_norm, ord=ord)
+    want = jax.grad(norm)(x)
+    chex.assert_trees_all_close(jax.grad(jax.jit(norm))(x), want)
+    chex.assert_trees_all_close(jax.grad(jax.checkpoint(norm))(x), want)
+    chex.assert_trees_all_close(jax.jacfwd(jax.jit(norm))(x), want)
+
+    def loss(t: dict) -> jax.Array:
+        clipped, _ = clipax.tree.clip_by_global_norm(t, 1.0, ord=ord)
+        return jnp.sum(clipped["w"] * jnp.array([1.0, 2.0])) + 3 * clipped["b"][0]
+
+    chex.assert_trees_all_close(jax.grad(jax.jit(loss))(x), jax.grad(loss)(x))
 
 
 def test_gradient_through_global_norm_at_zero_is_zero() -> None:

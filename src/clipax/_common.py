@@ -387,7 +387,11 @@ def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
     threshold = jnp.asarray(max_norm).astype(norm.dtype)
     over = norm > threshold
     denominator = jnp.where(norm > 0, norm, jnp.ones_like(norm))
-    scale = jnp.where(over, divide(jnp.maximum(threshold, 0), denominator), 1)
+    # The quotient is taken only where it is used (0 / 1 elsewhere): an inf
+    # (threshold inf, or huge over a tiny norm) in the discarded branch would
+    # still make the derivative inf * 0 = NaN.
+    numerator = jnp.where(over, jnp.maximum(threshold, 0), jnp.zeros_like(norm))
+    scale = jnp.where(over, divide(numerator, denominator), 1)
     return jnp.where(jnp.isfinite(norm), scale, jnp.nan).astype(norm.dtype)
 
 

@@ -290,7 +290,9 @@ def global_norm(
     varying = frozenset().union(
         *(_varying(leaves[i]) - set(k) for k in keys for i in members[k])
     )
-    return _norm_in_two_passes(summed, leaves, p, _vary(jnp.zeros((), dtype), varying))
+    return _norm_in_two_passes(
+        summed, leaves, p, lambda: _vary(jnp.zeros((), dtype), varying)
+    )
 
 
 def _varying(x: jax.Array) -> frozenset[str]:
@@ -335,10 +337,10 @@ def _norm_in_two_passes(
     summed: Callable[[list[jax.Array], jax.Array], jax.Array],
     leaves: list[jax.Array],
     p: float,
-    zero: jax.Array,
+    make_zero: Callable[[], jax.Array],
 ) -> jax.Array:
     """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`, the sum of
-    |x scale|**p (`zero` is a 0 typed as that sum is): one pass at scale 1,
+    |x scale|**p (`make_zero()` is a 0 typed as that sum is): one pass at scale 1,
     and a second at `_next_scale` only when the first sum is inf or below
     `_trust_floor`.
 
@@ -348,11 +350,16 @@ def _norm_in_two_passes(
     in reverse mode: the norm's derivative is, through `jax.custom_jvp`, that
     of the last pass's formula at its (constant) scale. Eagerly, the host
     decides whether to take the second pass.
+
+    The constants are made inside the functions that use them: a tracer
+    closed over by `jax.custom_jvp` escapes when the jitted caller is itself
+    differentiated (`jax.grad(jax.jit(...))`).
     """
-    one = zero + 1
 
     def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(total, scale) of the last pass."""
+        zero = make_zero()
+        one = zero + 1
         if not any(_common.is_traced(x) for x in leaves):
             total = summed(leaves, one)
             if not bool(_untrusted(total)):
@@ -385,6 +392,7 @@ def _norm_in_two_passes(
         # (and its transpose, in reverse mode) neither overflows nor
         # underflows where x is extreme.
         scale = jax.lax.stop_gradient(passes(primals[0])[1])
+        one = jnp.ones_like(scale)
         scaled = [_upcast(x) * scale for x in primals[0]]
         dots = [t.astype(y.dtype) for t, y in zip(tangents[0], scaled, strict=True)]
         unit, slope = jax.jvp(
