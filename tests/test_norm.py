@@ -131,6 +131,21 @@ def test_integer_leaf_is_rejected_by_path() -> None:
         clipax.tree.clip_by_norm({"i": jnp.arange(3)}, 1.0)
 
 
+@pytest.mark.parametrize("value", [1e200, 1e300, 1e-170, 1e-300])
+def test_float64_norms_are_exact_at_float64_extremes(value: float) -> None:
+    # The exact pass's power of two is sized to the dtype's range: float32's
+    # 2**80 would neither keep 1e200**2 finite nor lift 1e-300**2 to normal.
+    with jax.enable_x64(True):
+        x = jnp.full((2, 4), value, jnp.float64)
+        tx = clipax.clip_by_norm(1.0)
+        out, state = tx.update({"w": x}, tx.init({"w": x}))
+        np.testing.assert_allclose(state.norms["w"], math.sqrt(8) * value, rtol=1e-14)
+        want = np.full((2, 4), 1 / math.sqrt(8)) if value > 1 else np.asarray(x)
+        np.testing.assert_allclose(out["w"], want, rtol=1e-14)
+        rows = clipax.tree.clip_by_norm(x, 1.0, axes=1)
+        np.testing.assert_allclose(rows, np.full((2, 4), 0.5) if value > 1 else x)
+
+
 def test_gradient_is_finite_at_zero() -> None:
     def loss(x: jax.Array) -> jax.Array:
         return jnp.sum(clipax.tree.clip_by_norm(x, 1.0, axes=1) ** 2)

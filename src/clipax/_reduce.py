@@ -404,22 +404,28 @@ def _norm_in_two_passes(
 
 
 # The exact pass of per-slice norms scales each slice by a power of two chosen
-# from its plain sum (`_range_scale`): 2**-SHIFT where the sum overflowed
-# (then |x| < 2**128 and every square of x 2**-80 is below 2**96) and 2**SHIFT
-# where it fell below `_trust_floor` (then |x| < 2**-31.5, and x 2**80 lifts
-# the square of every |x| >= 2**-143, all normal and most subnormal floats, to
-# a normal float below 2**97).
+# from its plain sum (`_range_scale`), 2**-k where the sum overflowed and 2**k
+# where it fell below `_trust_floor`, with k = maxexp / 2 + 16 (`_shift`: 80
+# for float32, 528 for float64). In float32: an overflowed sum has |x| <
+# 2**128, and every square of x 2**-80 is below 2**96; a sum below the floor
+# has |x| < 2**-31.5, and x 2**80 lifts the square of every |x| >= 2**-143,
+# all normal and most subnormal floats, to a normal float below 2**97 (in
+# float64 the same with 2**1024, 2**-255.5, 2**-1039 and 2**545).
 # Scaling by powers of two loses nothing.
-SHIFT = 80
+
+
+def _shift(dtype: np.dtype) -> int:
+    return int(np.finfo(dtype).maxexp) // 2 + 16
 
 
 def _range_scale(total: jax.Array) -> jax.Array:
     """The power of two by which the exact pass scales the slices of `total`:
-    2**-SHIFT where it is inf, 2**SHIFT where it is below `_trust_floor`, 1
-    elsewhere (those slices' sums come out as in the plain pass)."""
+    2**-k where it is inf, 2**k where it is below `_trust_floor`, 1 elsewhere
+    (those slices' sums come out as in the plain pass); k = `_shift`."""
     one = jnp.ones_like(total)
-    up = jnp.where(total < _trust_floor(total.dtype), one * 2.0**SHIFT, one)
-    return jax.lax.stop_gradient(jnp.where(jnp.isposinf(total), one * 2.0**-SHIFT, up))
+    k = _shift(total.dtype)
+    up = jnp.where(total < _trust_floor(total.dtype), one * 2.0**k, one)
+    return jax.lax.stop_gradient(jnp.where(jnp.isposinf(total), one * 2.0**-k, up))
 
 
 def _rescaled_sum(x: jax.Array, axes: tuple[int, ...], scale: jax.Array) -> jax.Array:
