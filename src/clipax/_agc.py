@@ -54,7 +54,7 @@ def unit_axes(
     )
 
 
-def _axis_message(error: ValueError) -> str:
+def _axis_message(error: Exception) -> str:
     return str(error).replace("`axes`", "`axis`")
 
 
