@@ -294,6 +294,49 @@ def test_another_optimizer_of_the_same_fields_is_refused() -> None:
         clipax.migrate_state(old, new)
 
 
+@pytest.mark.parametrize("restore", [False, True], ids=["objects", "orbax"])
+@pytest.mark.parametrize(
+    ("old_dtype", "new_dtype"),
+    [
+        (jnp.bfloat16, jnp.bfloat16),
+        (jnp.bfloat16, jnp.float32),
+        (jnp.float32, jnp.bfloat16),
+        (jnp.float8_e4m3fn, jnp.float8_e4m3fn),
+    ],
+    ids=["bf16", "bf16_to_f32", "f32_to_bf16", "f8"],
+)
+def test_ml_dtypes_moments_are_carried_and_cast(
+    tmp_path: Any, old_dtype: Any, new_dtype: Any, restore: bool
+) -> None:
+    # ml_dtypes' floats (bfloat16, float8) are floats, as NumPy does not say.
+    old_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    new_tx = optax.chain(
+        clipax.clip_by_global_norm(1.0), optax.adam(0.1, mu_dtype=new_dtype)
+    )
+    _, old_state = train(old_tx, old_tx.init(PARAMS), PARAMS, range(2))
+    adam = old_state[1][0]
+    mu = jax.tree.map(lambda x: x.astype(old_dtype), adam.mu)  # as mu_dtype keeps
+    old_state = (old_state[0], (adam._replace(mu=mu), *old_state[1][1:]))
+    saved = save_and_restore(tmp_path, old_state) if restore else old_state
+    state = clipax.migrate_state(saved, new_tx.init(PARAMS))
+    chex.assert_trees_all_equal_shapes_and_dtypes(state, new_tx.init(PARAMS))
+    assert int(state[1][0].count) == 2
+    chex.assert_trees_all_equal(
+        state[1][0].mu, jax.tree.map(lambda x: x.astype(new_dtype), old_state[1][0].mu)
+    )
+
+
+def test_bfloat16_params_with_adam() -> None:
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+    old_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    new_tx = optax.chain(clipax.clip_by_global_norm(1.0), optax.adam(0.1))
+    old_state = old_tx.init(params)
+    _, old_state = old_tx.update(jax.tree.map(jnp.ones_like, params), old_state)
+    state = clipax.migrate_state(old_state, new_tx.init(params))
+    assert state[1][0].mu["w"].dtype == jnp.bfloat16
+    chex.assert_trees_all_equal(state[1], old_state[1])
+
+
 def test_a_dtype_of_another_kind_names_the_path() -> None:
     new = optax.adam(0.1).init(PARAMS)[0]
     old = new._replace(count=jnp.zeros((), jnp.float32))

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -162,9 +163,11 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
                 why=f"the old array has shape {old_shape}, the new one {new_shape}",
             )
         )
-    kinds = (np.bool_, np.integer, np.floating, np.complexfloating)
+    # jnp's dtype lattice, not NumPy's: it puts bfloat16 and float8 (ml_dtypes)
+    # under floating, and int4 under integer.
+    kinds = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
     same_kind = any(
-        np.issubdtype(old_dtype, k) and np.issubdtype(new_dtype, k) for k in kinds
+        jnp.issubdtype(old_dtype, k) and jnp.issubdtype(new_dtype, k) for k in kinds
     )
     if not same_kind:
         raise ValueError(
@@ -174,7 +177,7 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
             )
         )
     if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
-        return jax.numpy.asarray(old).astype(new_dtype)  # under jax.jit
+        return jnp.asarray(old).astype(new_dtype)  # under jax.jit
     if isinstance(new, jax.Array):
         value = old if isinstance(old, jax.Array) else np.asarray(old)
         value = value.astype(new_dtype)
