@@ -337,6 +337,46 @@ def test_bfloat16_params_with_adam() -> None:
     chex.assert_trees_all_equal(state[1], old_state[1])
 
 
+def noisy(clip: optax.GradientTransformation) -> optax.GradientTransformation:
+    """A chain whose state holds a typed PRNG key (`jax.random.key`)."""
+    noise = optax.add_noise(0.01, 0.55, key=jax.random.key(0))
+    return optax.chain(clip, noise, optax.sgd(0.1))
+
+
+@pytest.mark.parametrize("restore", [False, True], ids=["objects", "orbax"])
+def test_typed_prng_keys_are_carried(tmp_path: Any, restore: bool) -> None:
+    old_tx = noisy(optax.clip_by_global_norm(1.0))
+    new_tx = noisy(clipax.clip_by_global_norm(1.0))
+    params, old_state = train(old_tx, old_tx.init(PARAMS), PARAMS, range(3))
+    saved = save_and_restore(tmp_path, old_state) if restore else old_state
+    state = clipax.migrate_state(saved, new_tx.init(params))
+    assert state[1].rng_key.dtype == old_state[1].rng_key.dtype
+    chex.assert_trees_all_equal(state[1:], old_state[1:])  # the key moved on
+    assert int(state[1].count) == 3
+    jitted = jax.jit(clipax.migrate_state)(old_state, new_tx.init(params))
+    chex.assert_trees_all_equal(jitted, state)
+    # The same noise as the old chain's from here on.
+    got, _ = train(new_tx, state, params, range(3, 6))
+    want, _ = train(old_tx, old_state, params, range(3, 6))
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("key", "match"),
+    [
+        (jax.random.key(0, impl="rbg"), r"\[1\]\.rng_key.*dtype key<rbg>.*key<fry>"),
+        (jax.random.split(jax.random.key(0)), r"\[1\]\.rng_key.*shape \(2,\)"),
+        (jax.random.key_data(jax.random.key(0)), r"\[1\]\.rng_key.*shape \(2,\)"),
+    ],
+    ids=["other_impl", "other_shape", "raw_key_data"],
+)
+def test_another_prng_key_names_the_path(key: jax.Array, match: str) -> None:
+    new = noisy(clipax.clip_by_global_norm(1.0)).init(PARAMS)
+    old = (new[0], new[1]._replace(rng_key=key), *new[2:])
+    with pytest.raises(ValueError, match=match):
+        clipax.migrate_state(old, new)
+
+
 def test_a_dtype_of_another_kind_names_the_path() -> None:
     new = optax.adam(0.1).init(PARAMS)[0]
     old = new._replace(count=jnp.zeros((), jnp.float32))

@@ -131,8 +131,15 @@ def _old_children(old: Any, new: Any) -> dict[str, Any] | None:
     return {_key_name(key): child for key, child in _children(old)[0]}
 
 
-def _dtype(node: Any) -> np.dtype:
-    return np.dtype(node.dtype) if hasattr(node, "dtype") else np.asarray(node).dtype
+def _dtype(node: Any) -> Any:
+    """`node`'s dtype: a NumPy dtype, or an extended one (a typed PRNG key's,
+    `key<fry>`), which NumPy cannot read."""
+    dtype = node.dtype if hasattr(node, "dtype") else np.asarray(node).dtype
+    return dtype if _is_extended(dtype) else np.dtype(dtype)
+
+
+def _is_extended(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jax.dtypes.extended))
 
 
 def _describe(node: Any) -> str:
@@ -163,11 +170,17 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
                 why=f"the old array has shape {old_shape}, the new one {new_shape}",
             )
         )
-    # jnp's dtype lattice, not NumPy's: it puts bfloat16 and float8 (ml_dtypes)
-    # under floating, and int4 under integer.
+    # Kinds in jnp's dtype lattice, not NumPy's: it puts bfloat16 and float8
+    # (ml_dtypes) under floating, and int4 under integer. A typed PRNG key
+    # matches only a key of the same implementation: there is no cast.
     kinds = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
-    same_kind = any(
-        jnp.issubdtype(old_dtype, k) and jnp.issubdtype(new_dtype, k) for k in kinds
+    extended = _is_extended(old_dtype) or _is_extended(new_dtype)
+    same_kind = (
+        old_dtype == new_dtype
+        if extended
+        else any(
+            jnp.issubdtype(old_dtype, k) and jnp.issubdtype(new_dtype, k) for k in kinds
+        )
     )
     if not same_kind:
         raise ValueError(
@@ -176,6 +189,12 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
                 why=f"the old array has dtype {old_dtype}, the new one {new_dtype}",
             )
         )
+    if extended:  # a jax.Array (no NumPy form), already of new's dtype
+        if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
+            return old
+        if isinstance(new, jax.Array) and old.sharding != new.sharding:
+            return jax.device_put(old, new.sharding)
+        return old
     if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
         return jnp.asarray(old).astype(new_dtype)  # under jax.jit
     if isinstance(new, jax.Array):
