@@ -121,6 +121,27 @@ def test_statistics_and_decisions_match_a_float64_transcription(
         assert float(state.loss) == pytest.approx(losses[-1])
 
 
+@pytest.mark.parametrize(
+    "inner", [optax.identity, lambda: optax.sgd(1.0)], ids=["identity", "sgd"]
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_numbers_are_0d_leaves(inner: Any, jit: bool) -> None:
+    # DESIGN.md: Python numbers are leaves too; `inner` may give them back.
+    tx = clipax.skip_spikes(inner(), max_norm=10.0)
+    update = jax.jit(tx.update) if jit else tx.update
+    numbers = {"w": 1.0, "b": jnp.ones(2)}
+    arrays = {"w": jnp.asarray(1.0), "b": jnp.ones(2)}
+    got, state = update(numbers, tx.init(numbers))
+    want, want_state = tx.update(arrays, tx.init(arrays))
+    chex.assert_trees_all_close((got, state), (want, want_state))
+    assert isinstance(got["w"], jax.Array)
+    chex.assert_shape(got["w"], ())
+    assert got["w"].dtype == jnp.float32
+    got, state = update({"w": 100.0, "b": jnp.ones(2)}, state)  # above max_norm
+    assert state.skipped
+    chex.assert_trees_all_equal(got, {"w": np.float32(0.0), "b": np.zeros(2)})
+
+
 def test_adamw_moments_and_count_untouched_bit_for_bit_under_one_trace() -> None:
     tx = clipax.skip_spikes(
         optax.chain(clipax.clip_by_global_norm(1.0), optax.adamw(0.1)),

@@ -249,8 +249,10 @@ def skip_spikes(
         # step costs what the inner step costs, and the step compiles the inner
         # transformation once (a cond's second branch would compile it again,
         # to give zeros of its output types, varying mesh axes included).
+        # result_type, not `u.dtype`: a leaf may be a Python number (0-d).
         out = jax.tree.map(
-            lambda u: jnp.where(skip, jnp.zeros((), u.dtype), u), new_updates
+            lambda u: jnp.where(skip, jnp.zeros((), jnp.result_type(u)), u),
+            new_updates,
         )
         inner_state = jax.tree.map(
             lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
