@@ -240,6 +240,7 @@ def test_float64_updates_keep_float64_statistics():
         ({"alpha": math.nan}, r"`alpha`.*got nan"),
         ({"warmup_steps": -1}, r"`warmup_steps` must be an int >= 0; got -1"),
         ({"warmup_steps": 2.5}, r"`warmup_steps`.*got 2.5"),
+        ({"warmup_steps": 2**31}, r"`warmup_steps` must be an int <= 2147483647"),
         ({"max_norm": 0.0}, r"`max_norm` must be a positive scalar"),
         ({"axis_name": 3}, r"`axis_name` must be None"),
     ],

@@ -221,6 +221,7 @@ def test_init_rejects_integer_leaves():
         ({"history": np.float32(2)}, r"`history` must be an int >= 1"),
         ({"history": np.zeros((), np.int32)}, r"`history` must be an int >= 1; got 0"),
         ({"history": True}, r"`history`.*got True"),
+        ({"history": 2**31}, r"`history` must be an int <= 2147483647"),
         ({"ord": 0.5}, r"`ord` must be .*; got 0.5"),
     ],
 )

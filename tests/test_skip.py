@@ -350,6 +350,8 @@ def test_adding_skipping_midway_keeps_the_optimizer(tmp_path: Any) -> None:
         ({"warmup_steps": 2.5}, "warmup_steps"),
         ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
         ({"max_consecutive_skips": True}, "max_consecutive_skips"),
+        ({"warmup_steps": 2**31}, "warmup_steps"),
+        ({"max_consecutive_skips": 2**31}, "max_consecutive_skips"),
         ({"max_norm": -1.0}, "max_norm"),
         ({"axis_name": 3}, "axis_name"),
     ],
@@ -357,6 +359,19 @@ def test_adding_skipping_midway_keeps_the_optimizer(tmp_path: Any) -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}`"):
         clipax.skip_spikes(optax.sgd(1.0), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["warmup_steps", "max_consecutive_skips"])
+def test_counts_are_bounded_by_the_int32_counters(name: str) -> None:
+    # The state counts in int32: a larger count is refused here, not by an
+    # OverflowError at the first update.
+    with pytest.raises(
+        ValueError, match=rf"`{name}` must be an int <= 2147483647 .*; got 2147483648"
+    ):
+        clipax.skip_spikes(optax.sgd(1.0), **{name: 2**31})
+    tx = clipax.skip_spikes(optax.sgd(1.0), **{name: 2**31 - 1})
+    _, state = jax.jit(tx.update)(helpers.tree_with_norm(1.0), tx.init(PARAMS))
+    assert int(state.accepted_count) == 1
 
 
 def test_inner_must_be_a_transformation() -> None:

@@ -211,6 +211,7 @@ def test_init_rejects_integer_leaves():
         ({"z_threshold": math.inf}, r"`z_threshold`.*got inf"),
         ({"warmup_steps": 0}, r"`warmup_steps` must be an int >= 1; got 0"),
         ({"warmup_steps": 2.5}, r"`warmup_steps`.*got 2.5"),
+        ({"warmup_steps": 2**31}, r"`warmup_steps` must be an int <= 2147483647"),
         ({"mode": "zscore"}, r'`mode` must be "adaptive" or "std"; got \'zscore\''),
     ],
 )

@@ -49,11 +49,17 @@ InitStats = Callable[[np.dtype], Stats]
 
 # Arguments shared by the rules.
 
+INT32_MAX = 2**31 - 1  # counts are compared with the state's int32 counters
+
 
 def check_count(
     name: str, value: Any, minimum: int = 1, *, traced_ok: bool = False
 ) -> Any:
-    """A concrete int >= `minimum` (a Python or NumPy int), returned as an int.
+    """A concrete int >= `minimum` and <= 2**31 - 1 (a Python or NumPy int),
+    returned as an int.
+
+    The bound above is the int32 step counters': a larger count would fail as
+    an OverflowError at the first update, where it meets them.
 
     A traced value is returned unchecked when `traced_ok` (a count that is only
     compared with, as under `optax.inject_hyperparams`).
@@ -61,7 +67,7 @@ def check_count(
     Raises:
       TypeError: if `value` is traced and not `traced_ok` (it sets a shape or a
         schedule).
-      ValueError: if `value` is not an int >= `minimum`.
+      ValueError: if `value` is not an int >= `minimum`, or is above 2**31 - 1.
     """
     if _common.is_traced(value):
         if traced_ok:
@@ -77,6 +83,11 @@ def check_count(
     valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not valid or value < minimum:
         raise ValueError(f"`{name}` must be an int >= {minimum}; got {value!r}.")
+    if value > INT32_MAX:
+        raise ValueError(
+            f"`{name}` must be an int <= {INT32_MAX} (2**31 - 1, the limit of the "
+            f"int32 step counters); got {value!r}."
+        )
     return int(value)
 
 

@@ -131,9 +131,10 @@ def skip_spikes(
         `inf` turns the statistical tests off. May be traced.
       alpha: the EMA factor of the statistics, in (0, 1). May be traced.
       warmup_steps: how many accepted steps (with a loss, for the loss test)
-        the statistics take before the z-tests start, an int >= 1.
+        the statistics take before the z-tests start, an int in
+        [1, 2**31 - 1] (the state's counters are int32).
       max_consecutive_skips: after this many skips in a row the next outlier
-        is let through, an int >= 1.
+        is let through, an int in [1, 2**31 - 1].
       max_norm: None (default), or a norm above which a step is always
         skipped: a positive scalar, or traced.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
