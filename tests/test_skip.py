@@ -374,6 +374,17 @@ def test_counts_are_bounded_by_the_int32_counters(name: str) -> None:
     assert int(state.accepted_count) == 1
 
 
+@pytest.mark.parametrize("name", ["z_threshold", "alpha", "max_norm"])
+@pytest.mark.parametrize("value", ["1.0", True])
+def test_non_numbers_are_type_errors_as_documented(name: str, value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"`{name}` must be .*; got {value!r}"):
+        clipax.skip_spikes(optax.sgd(1.0), **{name: value})
+    doc = clipax.skip_spikes.__doc__ or ""
+    raises = doc.split("Raises:")[1].split("Example:")[0]
+    type_error = raises.split("TypeError:")[1].split("ValueError:")[0]
+    assert f"`{name}`" in type_error
+
+
 def test_inner_must_be_a_transformation() -> None:
     with pytest.raises(TypeError, match="`inner`"):
         clipax.skip_spikes(optax.sgd)  # type: ignore[arg-type]

@@ -313,10 +313,13 @@ def migrate_state(old_state: PyTree, new_state: PyTree) -> PyTree:
     None become None. Dicts and lists match `new_state`'s nodes by key or
     position; objects must be of the same type as `new_state`'s (Adam moments
     never go into another optimizer's state). Arrays must have the same shape
-    and a dtype of the same kind (they are cast to `new_state`'s dtype and
-    placed with its sharding). Any part that cannot be matched (another
-    shape, a missing inner state, an unknown extra part) raises a
-    `ValueError` naming its path: nothing is reset silently.
+    and a dtype of the same kind: bool, integer, floating (bfloat16 and
+    float8 included) or complex; they are cast to `new_state`'s dtype and
+    placed with its sharding. A typed PRNG key (`jax.random.key`, as in
+    `optax.add_noise`'s state) matches only a key of the same implementation
+    and shape. Any part that cannot be matched (another shape, a missing
+    inner state, an unknown extra part) raises a `ValueError` naming its
+    path: nothing is reset silently.
 
     For Flax NNX, migrate `optimizer.opt_state` (from `restored["opt_state"]`
     or the old optimizer's `opt_state`) and assign the result back; the

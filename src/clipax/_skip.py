@@ -148,8 +148,13 @@ def skip_spikes(
       same on every device).
 
     Raises:
-      TypeError: at construction, if `inner` is not a transformation.
-      ValueError: at construction, if another argument is not accepted.
+      TypeError: at construction, if `inner` is not a transformation, or if
+        `z_threshold`, `alpha` or `max_norm` is not a real number (a string,
+        a bool, None for the first two, an array of another dtype).
+      ValueError: at construction, if another argument is not accepted: a
+        number out of range or not a scalar; a count (`warmup_steps`,
+        `max_consecutive_skips`) that is not an int in [1, 2**31 - 1],
+        whatever its type; an `axis_name` that is not a name or names.
 
     Example:
       >>> import jax.numpy as jnp
