@@ -123,7 +123,8 @@ def adagc(
         May be traced (not checked then).
       warmup_steps: how many first steps clip by global norm and seed the
         EMAs, an int >= 0 (0: the first step seeds each EMA with the leaf's
-        norm); 100 by default.
+        norm); 100 by default. It cannot be traced: under
+        `optax.inject_hyperparams`, name it in `static_args`.
       max_norm: the global-norm threshold during warm-up (`lambda_abs`): a
         positive scalar, `inf` (warm-up only records the norms), or traced.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
