@@ -418,6 +418,28 @@ def _shift(dtype: np.dtype) -> int:
     return int(np.finfo(dtype).maxexp) // 2 + 16
 
 
+# Each leaf's steps below are jitted functions, called (not inlined) from the
+# caller's trace: leaves of one shape and dtype share one trace and one
+# lowering, and XLA inlines the calls, so the kernels are the same. Traced
+# anew for every leaf, their few dozen `jnp` operations cost about 3 ms a leaf
+# (500 x 1k: trace and lowering 2.9 s, with these 0.9 s; benchmarks/RESULTS.md).
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _plain_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """The float32 (or wider) sum of squares of `x` over `axes`, kept dims."""
+    squares = _common.powers(_fused.opaque_if_narrow(x), 2.0)
+    return jnp.sum(squares, axis=axes, keepdims=True)
+
+
+@jax.jit
+def _plain_root(total: jax.Array) -> jax.Array:
+    """The root of a sum the range test trusts (at least `_trust_floor`, or
+    NaN): the floor changes no value, and keeps the root's derivative finite
+    where `vmap` evaluates the plain branch on the rare one's inputs."""
+    return jnp.sqrt(jnp.maximum(total, _trust_floor(total.dtype)))
+
+
 def _range_scale(total: jax.Array) -> jax.Array:
     """The power of two by which the exact pass scales the slices of `total`:
     2**-k where it is inf, 2**k where it is below `_trust_floor`, 1 elsewhere
@@ -428,17 +450,30 @@ def _range_scale(total: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(jnp.isposinf(total), one * 2.0**-k, up))
 
 
-def _rescaled_sum(x: jax.Array, axes: tuple[int, ...], scale: jax.Array) -> jax.Array:
-    """The sum of |x scale|**2 over `axes` (kept as size-1 dims).
+@functools.partial(jax.jit, static_argnums=1)
+def _rescaled_sum(
+    x: jax.Array, axes: tuple[int, ...], total: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """`(sum of |x scale|**2 over axes, scale)`, `scale` from `x`'s plain sums
+    `total` (`_range_scale`); kept dims.
 
     `scale` is chosen at run time, so XLA cannot fold it into the square (a
     constant 2**80 became 2**160 = inf there, and 0 * inf = NaN). A narrow
     leaf goes through a barrier with its scale (`_fused.scaled_pair`), so that
     its float32 upcast is fused into this reduction, never written out.
     """
+    scale = _range_scale(total)
+    factor = scale
     if _fused.is_narrow(x.dtype):
-        x, scale = _fused.scaled_pair(x, scale)
-    return jnp.sum(_common.powers(_upcast(x) * scale, 2.0), axis=axes, keepdims=True)
+        x, factor = _fused.scaled_pair(x, scale)
+    squares = _common.powers(_upcast(x) * factor, 2.0)
+    return jnp.sum(squares, axis=axes, keepdims=True), scale
+
+
+@jax.jit
+def _rescaled_root(total: jax.Array, scale: jax.Array) -> jax.Array:
+    """The norm from a sum of |x scale|**2."""
+    return _common.safe_root(total, 2.0) / scale
 
 
 def slice_norms(
@@ -466,11 +501,7 @@ def slice_norms(
         pairs = zip(placements, leaf_axes, strict=True)
         groups = [reduced_mesh_axes(e, a) for e, a in pairs]
         buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-    keep = [_fused.opaque_if_narrow(x) for x in leaves]
-    sums = [
-        jnp.sum(_common.powers(x, 2.0), axis=a, keepdims=True)
-        for x, a in zip(keep, leaf_axes, strict=True)
-    ]
+    sums = [_plain_sum(x, a) for x, a in zip(leaves, leaf_axes, strict=True)]
     sums = _collective(sums, groups, jax.lax.psum, buckets)
     # Per-leaf values stay separate buffers: concatenating them and slicing
     # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md). The
@@ -492,17 +523,13 @@ def slice_norms(
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
 
     def exact() -> list[jax.Array]:
-        scales = [_range_scale(s) for s in sums]
-        pairs = zip(leaves, leaf_axes, scales, strict=True)
-        out = [_rescaled_sum(x, a, f) for x, a, f in pairs]
-        out = _collective(out, groups, jax.lax.psum, buckets)
-        return [_common.safe_root(t, 2.0) / f for t, f in zip(out, scales, strict=True)]
+        pairs = zip(leaves, leaf_axes, sums, strict=True)
+        out, scales = zip(*[_rescaled_sum(x, a, s) for x, a, s in pairs], strict=True)
+        totals = _collective(list(out), groups, jax.lax.psum, buckets)
+        return [_rescaled_root(t, f) for t, f in zip(totals, scales, strict=True)]
 
     def plain() -> list[jax.Array]:
-        # Taken only when every sum is at least `_trust_floor` (or NaN): the
-        # floor changes no value, and keeps the root's derivative finite
-        # where `vmap` evaluates this branch on the rare one's inputs.
-        return [jnp.sqrt(jnp.maximum(s, _trust_floor(s.dtype))) for s in sums]
+        return [_plain_root(s) for s in sums]
 
     return _branch(untrusted, exact, plain)
 

@@ -11,6 +11,13 @@ from jax.typing import ArrayLike
 from clipax import _common, _reduce
 
 
+@jax.jit
+def _clip_leaf(x: jax.Array, norm: jax.Array, max_norm: Any) -> jax.Array:
+    """`x` clipped by its (slice) norm; jitted, so that leaves of one shape and
+    dtype share one trace (see `_reduce._plain_sum`)."""
+    return _common.apply_scale(x, _common.clip_scale(norm, max_norm))
+
+
 def clip_by_norm_with_norms(
     tree: chex.ArrayTree,
     max_norm: ArrayLike,
@@ -38,10 +45,7 @@ def clip_by_norm_with_norms(
         placements = _reduce.leaf_placements(flat, specs, axis_name)
     leaves = [x for _, x in flat]
     norms = _reduce.slice_norms(leaves, leaf_axes, placements)
-    clipped = [
-        _common.apply_scale(x, _common.clip_scale(n, max_norm))
-        for x, n in zip(leaves, norms, strict=True)
-    ]
+    clipped = [_clip_leaf(x, n, max_norm) for x, n in zip(leaves, norms, strict=True)]
     peaks = _reduce.leaf_peak_norms(norms, placements)
     treedef = jax.tree.structure(tree)
     return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, peaks)
