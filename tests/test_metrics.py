@@ -207,3 +207,14 @@ def test_duplicate_keys_raise() -> None:
     }
     with pytest.raises(ValueError, match="twice"):
         clipax.metrics(state)
+
+
+@pytest.mark.parametrize("tx", [clipax.clip_by_norm(1.0), clipax.adagc()])
+def test_two_leaves_with_one_key_raise_naming_both(
+    tx: optax.GradientTransformation,
+) -> None:
+    # `a/b` and `a`/`b` both write as "a/b": one norm must not hide the other.
+    tree = {"a/b": jnp.array([3.0, 4.0]), "a": {"b": jnp.array([1.0])}}
+    _, state = tx.update(tree, tx.init(tree))
+    with pytest.raises(ValueError, match=r"\['a'\]\['b'\] and \['a/b'\]"):
+        clipax.metrics(state)

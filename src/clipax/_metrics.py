@@ -13,6 +13,10 @@ from clipax import _common
 PyTree = Any
 
 SEPARATOR = "/"
+TWICE = (
+    "`clipax.metrics` made the key {key!r} twice; rename the groups or chain "
+    "entries that give it."
+)
 # Field of a clipax state that holds a wrapped transformation's state: walked
 # for more clipax states, never read as statistics (as `skip_spikes` keeps it).
 INNER_FIELD = "inner_state"
@@ -87,17 +91,38 @@ def _scalar(value: Any) -> jax.Array | None:
     return None
 
 
+def _put(out: dict[str, jax.Array], key: str, value: jax.Array) -> None:
+    """`out[key] = value`, or ValueError when `key` is already there."""
+    if key in out:
+        raise ValueError(TWICE.format(key=key))
+    out[key] = value
+
+
 def _leaf_stats(field: str, value: Any) -> dict[str, jax.Array]:
     """A field holding a tree of scalars (one per update leaf): one entry per
-    leaf, keyed `<leaf path>/<field in singular>`; the empty path is `root`."""
+    leaf, keyed `<leaf path>/<field in singular>`; the empty path is `root`.
+
+    Raises:
+      ValueError: naming both leaves, if two leaf paths join to one key (a
+        dict key holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`).
+    """
     stat = field[:-1] if field.endswith("s") else field
     flat, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_nnx_variable)
     out = {}
+    seen: dict[str, _common.KeyPath] = {}
     for path, leaf in flat:
         scalar = _scalar(leaf)
         if scalar is None:
             continue
         where = SEPARATOR.join(_common.path_segments(path)) or "root"
+        if where in seen:
+            raise ValueError(
+                f"`clipax.metrics` got the leaves at {_common.path_str(seen[where])}"
+                f" and {_common.path_str(path)} of `{field}`, whose paths both "
+                f"join to {where!r} with {SEPARATOR!r}; one key would hide the "
+                f"other. Rename a key so that no dict key holds {SEPARATOR!r}."
+            )
+        seen[where] = path
         out[f"{where}{SEPARATOR}{stat}"] = scalar
     return out
 
@@ -108,8 +133,8 @@ def _clip_facts(stats: dict[str, jax.Array], norm: str, threshold: str) -> None:
         return
     base = norm[: -len("norm")]
     n, t = stats[norm], stats[threshold]
-    stats[f"{base}clipped"] = n > t.astype(n.dtype)
-    stats[f"{base}clip_factor"] = _common.clip_scale(n, t)
+    _put(stats, f"{base}clipped", n > t.astype(n.dtype))
+    _put(stats, f"{base}clip_factor", _common.clip_scale(n, t))
 
 
 def _per_leaf(cls: type, field: str) -> bool:
@@ -129,13 +154,15 @@ def _state_stats(state: Any) -> tuple[dict[str, jax.Array], list[Any]]:
         if field == INNER_FIELD:
             inner.append(value)
         elif _per_leaf(type(state), field):
-            leaf_fields.update(_leaf_stats(field, value))
+            for key, scalar in _leaf_stats(field, value).items():
+                _put(leaf_fields, key, scalar)
         elif (scalar := _scalar(value)) is not None:
-            stats[field] = scalar
+            _put(stats, field, scalar)
     _clip_facts(stats, "norm", "threshold")
     for key in [k for k in leaf_fields if k.endswith(f"{SEPARATOR}norm")]:
         _clip_facts(leaf_fields, key, key[: -len("norm")] + "threshold")
-    stats.update(leaf_fields)
+    for key, scalar in leaf_fields.items():
+        _put(stats, key, scalar)
     return stats, inner
 
 
@@ -150,13 +177,7 @@ def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
         where = _join(prefix, state_label(type(node)))
         stats, inner = _state_stats(node)
         for name, value in stats.items():
-            key = _join(where, name)
-            if key in out:
-                raise ValueError(
-                    f"`clipax.metrics` made the key {key!r} twice; rename the "
-                    "groups or chain entries that give it."
-                )
-            out[key] = value
+            _put(out, _join(where, name), value)
         for state in inner:
             _walk(state, where, out)
         return
