@@ -132,3 +132,21 @@ def test_shard_map_with_specs_equals_one_device() -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}`"):
         clipax.tree.group_norms(_tree(), **kwargs)
+
+
+def test_two_groups_with_one_key_raise_naming_both_leaves() -> None:
+    # `a/b` (one entry) and `a`/`b` (two) both write as "a/b" at depth 2.
+    tree = {"a/b": jnp.array([3.0]), "a": {"b": jnp.array([4.0])}}
+    with pytest.raises(ValueError, match=r"\['a'\]\['b'\] and \['a/b'\]"):
+        clipax.tree.group_norms(tree, depth=2)
+    # At depth 1 the groups are "a" and "a/b": told apart.
+    assert clipax.tree.group_norms(tree) == {"a/norm": 4.0, "a/b/norm": 3.0}
+
+
+@pytest.mark.parametrize("prefix", ["a/b", "a"])
+def test_a_key_holding_the_separator_is_not_silently_left_out(prefix: str) -> None:
+    # The path of `a/b` reads as under "a/b" (and "a"), its entries are not.
+    tree = {"a/b": jnp.array([3.0]), "c": jnp.array([4.0])}
+    with pytest.raises(ValueError, match=r"\['a/b'\].*`prefixes`"):
+        clipax.tree.group_norms(tree, prefixes=[prefix])
+    assert clipax.tree.group_norms(tree, prefixes=["c"]) == {"c/norm": 4.0}

@@ -44,6 +44,30 @@ def _check_args(depth: Any, prefixes: Any) -> None:
             raise ValueError(f"`prefixes` must be {accepted}; got {prefixes!r}.")
 
 
+def _check_prefix_match(
+    path: _common.KeyPath,
+    segments: list[str],
+    wanted: list[tuple[str, ...]],
+    match: list[tuple[str, ...]],
+) -> None:
+    """ValueError where the leaf's entries and its `/`-joined path disagree on
+    the prefix it is under: a key holding `/`, which no grouping reads right."""
+    joined = SEPARATOR.join(segments)
+    by_text = [
+        q
+        for q in wanted
+        if joined == SEPARATOR.join(q) or joined.startswith(SEPARATOR.join(q) + "/")
+    ]
+    if by_text[:1] != match[:1]:
+        said = SEPARATOR.join(by_text[0]) if by_text else SEPARATOR.join(match[0])
+        raise ValueError(
+            f"The leaf at {_common.path_str(path)} has a key holding {SEPARATOR!r}, "
+            f"so whether it is under the `prefixes` entry {said!r} is ambiguous: "
+            f"its path {joined!r} reads one way, its key entries {segments} "
+            f"another. Rename the key so that it holds no {SEPARATOR!r}."
+        )
+
+
 def group_norms(
     tree: chex.ArrayTree,
     *,
@@ -92,7 +116,10 @@ def group_norms(
 
     Raises:
       ValueError: if `depth`, `prefixes`, `ord` or `axis_name` is not
-        accepted, or both `depth` and `prefixes` are given.
+        accepted, or both `depth` and `prefixes` are given; or if a dict key
+        holding `/` makes two groups write as one key (`{"a/b": x}` beside
+        `{"a": {"b": y}}` at `depth=2`) or leaves it ambiguous which prefix a
+        leaf is under (the message names the leaves).
       TypeError: if a leaf is not a floating-point or complex array.
 
     Example:
@@ -124,16 +151,27 @@ def group_norms(
             reverse=True,
         )
     groups: dict[str, list[int]] = {}
+    entries: dict[str, tuple[str, ...]] = {}  # each group's name -> its entries
     for i, (path, _) in enumerate(flat):
         segments = _common.path_segments(path)
         if wanted is None:
-            group = segments[: depth or 1]
+            group = tuple(segments[: depth or 1])
         else:
             match = [q for q in wanted if tuple(segments[: len(q)]) == q]
+            _check_prefix_match(path, segments, wanted, match)
             if not match:
                 continue
-            group = list(match[0])
+            group = match[0]
         name = SEPARATOR.join(group) or "root"
+        if entries.setdefault(name, group) != group:
+            first = flat[groups[name][0]][0]
+            raise ValueError(
+                f"`group_norms` got the leaves at {_common.path_str(first)} and "
+                f"{_common.path_str(path)}, whose groups at `depth`={depth or 1} both "
+                f"write as {name!r}: a dict key holding {SEPARATOR!r} reads as two "
+                f"path entries, and one norm would hide the other. Rename the key "
+                f"so that it holds no {SEPARATOR!r}."
+            )
         groups.setdefault(name, []).append(i)
     out = {}
     head = f"{key_prefix}{SEPARATOR}" if key_prefix else ""
