@@ -154,15 +154,15 @@ def _state_stats(state: Any) -> tuple[dict[str, jax.Array], list[Any]]:
         if field == INNER_FIELD:
             inner.append(value)
         elif _per_leaf(type(state), field):
-            for key, scalar in _leaf_stats(field, value).items():
-                _put(leaf_fields, key, scalar)
+            for key, stat in _leaf_stats(field, value).items():
+                _put(leaf_fields, key, stat)
         elif (scalar := _scalar(value)) is not None:
             _put(stats, field, scalar)
     _clip_facts(stats, "norm", "threshold")
     for key in [k for k in leaf_fields if k.endswith(f"{SEPARATOR}norm")]:
         _clip_facts(leaf_fields, key, key[: -len("norm")] + "threshold")
-    for key, scalar in leaf_fields.items():
-        _put(stats, key, scalar)
+    for key, stat in leaf_fields.items():
+        _put(stats, key, stat)
     return stats, inner
 
 
