@@ -145,6 +145,18 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`max_delta`.*'big'",
     ),
     (
+        "max_delta list",
+        lambda t: clipax.clip([1.0, 2.0]),
+        TypeError,
+        r"`max_delta` must be .*array.*got \[1\.0, 2\.0\] of type list",
+    ),
+    (
+        "max_delta None",
+        lambda t: clipax.clip(None),
+        TypeError,
+        r"`max_delta` must be .*got None",
+    ),
+    (
         "bounds do not broadcast",
         lambda t: clipax.tree.clip_by_value(t, np.zeros((4, 3)), 1.0),
         ValueError,

@@ -101,6 +101,17 @@ def test_clip_is_symmetric_clip_by_value_and_matches_optax() -> None:
     chex.assert_trees_all_equal(ours, by_value.update(grads, by_value.init(grads))[0])
 
 
+@pytest.mark.parametrize(
+    "max_delta", [np.uint8(3), jnp.uint32(3), np.array([3, 3], np.uint64)]
+)
+def test_unsigned_max_delta_is_negated_without_wrapping(max_delta: object) -> None:
+    # -np.uint8(3) wraps to 253 in NumPy (and in JAX).
+    tx = clipax.clip(max_delta)
+    out, _ = tx.update({"w": jnp.array([-5.0, 5.0]), "i": jnp.array([-5, 5])}, None)
+    np.testing.assert_array_equal(out["w"], [-3.0, 3.0])
+    np.testing.assert_array_equal(out["i"], [-3, 3])
+
+
 def test_zero_max_delta_zeroes_updates() -> None:
     tx = clipax.clip(0.0)
     out, _ = tx.update({"w": jnp.array([-1.0, 2.0])}, tx.init(None))

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
 from clipax import _common
 from clipax.tree import _value
+
+MAX_DELTA_ACCEPTED = (
+    "a real number >= 0, a NumPy or JAX scalar or array of them, or a traced value"
+)
 
 
 def clip_by_value(
@@ -61,7 +70,8 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformation:
 
     Raises:
       ValueError: at construction, if `max_delta` is negative or NaN.
-      TypeError: at construction, if `max_delta` is not a real number or array.
+      TypeError: at construction, if `max_delta` is not a real number, a
+        NumPy or JAX scalar or array, or a traced value (a list, say).
 
     Example:
       >>> import jax.numpy as jnp
@@ -71,12 +81,25 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformation:
       >>> updates["w"]
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
-    if not _common.is_traced(max_delta):
-        delta = _common.concrete_real(
-            "max_delta", max_delta, "a real number >= 0 or an array of them"
+    if _common.is_traced(max_delta):
+        return clip_by_value(-max_delta, max_delta)  # type: ignore[operator]
+    arrays = (np.ndarray, np.generic, jax.Array)
+    if max_delta is not None and not isinstance(max_delta, (numbers.Real, *arrays)):
+        raise TypeError(  # a list, say: `-max_delta` would fail naming nothing
+            f"`max_delta` must be {MAX_DELTA_ACCEPTED}; got "
+            f"{_common.short_repr(max_delta)} of type {type(max_delta).__name__}."
         )
-        if not (delta >= 0).all():  # also catches NaN
-            raise ValueError(
-                f"`max_delta` must be >= 0 and not NaN; got {max_delta!r}."
-            )
-    return clip_by_value(-max_delta, max_delta)  # type: ignore[operator]
+    delta = _common.concrete_real("max_delta", max_delta, MAX_DELTA_ACCEPTED)
+    if not (delta >= 0).all():  # also catches NaN
+        raise ValueError(f"`max_delta` must be >= 0 and not NaN; got {max_delta!r}.")
+    return clip_by_value(_negated(max_delta), max_delta)
+
+
+def _negated(value: Any) -> Any:
+    """`-value` for a concrete `value` >= 0, exactly: an unsigned integer is
+    negated in a signed dtype (NumPy and JAX wrap `-np.uint8(3)` to 253)."""
+    array = np.asarray(value)
+    if array.dtype.kind != "u":
+        return -value
+    fits = array.max(initial=0) <= np.iinfo(np.int64).max
+    return -array.astype(np.int64 if fits else np.float64)
