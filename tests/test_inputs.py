@@ -136,3 +136,56 @@ def test_traced_bounds_for_integer_leaves() -> None:
     np.testing.assert_array_equal(
         fn(jnp.array([-5.0, 5.0]), jnp.float32(-1.5), jnp.float32(1.5)), [-1.5, 1.5]
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32, jnp.uint32])
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        (-3, 2**31),
+        (-3, np.int64(2**40)),
+        (-(2**40), 2**40),
+        (np.int64(-(2**40)), np.uint64(2**63)),
+        (-1e30, np.float64(2**31)),
+    ],
+)
+def test_bounds_past_int32_saturate_with_x64_off(
+    dtype: Any, low: Any, high: Any
+) -> None:
+    # With x64 off, `jnp.asarray` wraps np.int64(2**40) to 0 and refuses 2**31.
+    info = np.iinfo(dtype)
+    values = np.array([info.min, info.min + 1, 0, 2, 5, info.max], dtype=dtype)
+    want = np.clip(values.astype(np.float64), float(low), float(high)).astype(dtype)
+    out = clipax.tree.clip_by_value(jnp.asarray(values), low, high)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, want)
+    tx = clipax.clip_by_value(low, high)
+    np.testing.assert_array_equal(jax.jit(tx.update)(values, tx.init(values))[0], want)
+
+
+@pytest.mark.parametrize("bound", [2**31, np.int64(2**40), np.uint64(2**40)])
+def test_clip_past_int32_keeps_integer_leaves(bound: Any) -> None:
+    x = jnp.array([-5, 0, 5, np.iinfo(np.int32).max], jnp.int32)
+    out, _ = clipax.clip(bound).update({"i": x}, None)
+    np.testing.assert_array_equal(out["i"], x)
+
+
+def test_whole_float_bounds_are_not_rounded_through_float32() -> None:
+    # float32 holds neither 16777217 nor 2**31 - 1: the bound must stay exact.
+    x = jnp.array([16777216, 16777217, 16777218, 2**31 - 1], jnp.int32)
+    out = clipax.tree.clip_by_value(x, 16777217.0, 16777217.0)
+    np.testing.assert_array_equal(out, [16777217] * 4)
+    out = clipax.tree.clip_by_value(x, np.float64(16777217), np.float64(2**31 - 2))
+    np.testing.assert_array_equal(out, [16777217, 16777217, 16777218, 2**31 - 2])
+    tx = clipax.clip_by_value(-1.0, float(2**31 - 1))
+    np.testing.assert_array_equal(jax.jit(tx.update)(x, tx.init(x))[0], x)
+
+
+def test_int64_leaves_with_x64_saturate_exactly() -> None:
+    with jax.enable_x64(True):
+        info = np.iinfo(np.int64)
+        x = jnp.array([info.min, 2**62 + 1, info.max], jnp.int64)
+        for low, high in [(-1e19, 1e19), (-(2**63), np.uint64(2**64 - 1))]:
+            np.testing.assert_array_equal(clipax.tree.clip_by_value(x, low, high), x)
+        out = clipax.tree.clip_by_value(x, -math.inf, 2.0**62)
+        np.testing.assert_array_equal(out, [info.min, 2**62, 2**62])

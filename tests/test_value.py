@@ -42,6 +42,59 @@ def test_integer_leaves_keep_their_dtype(dtype: jnp.dtype) -> None:
     np.testing.assert_array_equal(out, np.clip(np.arange(10), 2, 9))
 
 
+@pytest.mark.parametrize("bound", [2**40, np.int64(2**40), np.uint64(2**40), 2**31])
+def test_integer_bounds_past_int32_clamp_float_leaves(bound: object) -> None:
+    # With x64 off, `jnp.asarray` wraps np.int64(2**40) to 0 and refuses 2**40.
+    x = jnp.array([5e12, -5e12, 1.5, math.inf, math.nan], jnp.float32)
+    b = float(bound)  # type: ignore[arg-type]
+    want = np.array([b, -b, 1.5, b, math.nan], np.float32)
+    np.testing.assert_array_equal(clipax.tree.clip_by_value(x, -b, bound), want)
+    out, _ = jax.jit(clipax.clip(bound).update)({"w": x}, None)
+    np.testing.assert_array_equal(out["w"], want)
+
+
+FLOATS = [
+    jnp.float16,
+    jnp.bfloat16,
+    jnp.float32,
+    jnp.float8_e4m3fn,  # no inf: its bounds saturate to +-448
+    jnp.float8_e5m2,
+]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_bounds_past_a_float_dtype_s_range_change_no_value(dtype: jnp.dtype) -> None:
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.array([-big, -1.0, 0.0, 1.5, big, math.nan], dtype)
+    highs = [h for h in (500, 1e5, np.int64(2**40), 1e39, 2**70) if float(h) > big]
+    assert highs
+    for high in highs:
+        for out in (
+            clipax.tree.clip_by_value(x, -float(high), high),
+            clipax.clip(high).update(x, None)[0],
+        ):
+            assert out.dtype == dtype
+            np.testing.assert_array_equal(
+                out.astype(jnp.float32), x.astype(jnp.float32), err_msg=str(high)
+            )
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_float8_and_narrow_leaves_are_clamped_in_their_dtype(dtype: jnp.dtype) -> None:
+    x = jnp.array([-3.0, -0.5, 0.5, 7.0, math.nan], dtype)
+    out = jax.jit(clipax.clip_by_value(-1.0, 2.0).update)(x, None)[0]
+    assert out.dtype == dtype
+    want = np.array([-1.0, -0.5, 0.5, 2.0, math.nan], np.float32)
+    np.testing.assert_array_equal(out.astype(jnp.float32), want)
+    if dtype != jnp.float8_e4m3fn:  # +-inf map to the bounds, or to +-inf past them
+        inf = jnp.array([-math.inf, math.inf], dtype)
+        np.testing.assert_array_equal(
+            clipax.tree.clip_by_value(inf, -1.0, 2.0).astype(jnp.float32), [-1, 2]
+        )
+        out = clipax.tree.clip_by_value(inf, -1e39, 1e39).astype(jnp.float32)
+        np.testing.assert_array_equal(out, [-math.inf, math.inf])
+
+
 def test_array_bounds_broadcast_but_never_grow_a_leaf() -> None:
     x = jnp.zeros((2, 3))
     out = clipax.tree.clip_by_value(x, jnp.array([[2.0], [1.0]]), 100.0)

@@ -179,6 +179,8 @@ def concrete_real(name: str, value: Any, accepted: str) -> np.ndarray:
     """`value` as a float64 NumPy array, or TypeError when it is not real."""
     if value is None or isinstance(value, (str, bytes, bool)):
         raise TypeError(f"`{name}` must be {accepted}; got {value!r}.")
+    if isinstance(value, int):  # any size: 2**70 is an object array to NumPy
+        return np.asarray(int_as_float(value))
     try:
         array = np.asarray(value)
     except Exception as error:  # anything NumPy cannot read as an array
@@ -195,6 +197,14 @@ def concrete_real(name: str, value: Any, accepted: str) -> np.ndarray:
             f"{array.dtype}."
         )
     return array.astype(np.float64)
+
+
+def int_as_float(value: int) -> float:
+    """A Python int as the nearest float64; +-inf past float64's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def check_max_norm(name: str, value: Any) -> None:

@@ -35,6 +35,8 @@ def _check_integer_bound(
                 "to a float dtype."
             )
         return
+    if isinstance(bound, int):  # whole, of any size (10**400 is no float64)
+        return
     values = np.asarray(bound, dtype=np.float64)
     finite = values[np.isfinite(values)]
     if np.any(finite != np.round(finite)):
@@ -45,13 +47,9 @@ def _check_integer_bound(
         )
 
 
-def _bound_for(bound: ArrayLike, dtype: np.dtype) -> jax.Array:
-    """`bound` in a leaf's dtype; for integer leaves saturated to its range.
-
-    For integer leaves the bound is whole (`_check_integer_bound`), so only
-    values past the dtype's range change: they saturate, which clamps exactly
-    as the bound would.
-    """
+def _traced_bound(bound: jax.Array, dtype: np.dtype) -> jax.Array:
+    """A traced `bound` in a leaf's dtype, on the device; for integer leaves
+    saturated to its range (an integer leaf's traced bound is an integer)."""
     bound = jnp.asarray(bound)
     if not jnp.issubdtype(dtype, jnp.integer):
         return bound.astype(dtype)
@@ -61,6 +59,56 @@ def _bound_for(bound: ArrayLike, dtype: np.dtype) -> jax.Array:
         low, high = max(info.min, own.min), min(info.max, own.max)
         return jnp.clip(bound, low, high).astype(dtype)
     return jnp.clip(bound, float(info.min), float(info.max)).astype(dtype)
+
+
+def _integer_bound(bound: ArrayLike, dtype: np.dtype, lower: bool) -> np.ndarray:
+    """A concrete bound for an integer leaf, in its dtype, in exact integer
+    arithmetic: past the dtype's range (or +-inf) it saturates, which clamps
+    exactly as the bound would; a float bound is rounded inwards (ceil for
+    `min_value`, floor for `max_value`; `_check_integer_bound` has made sure
+    that it is whole, so this only turns it into an integer)."""
+    info = np.iinfo(dtype)
+    if isinstance(bound, int):  # a Python int of any size
+        return np.asarray(min(max(bound, int(info.min)), int(info.max)), dtype)
+    array = np.asarray(bound)
+    if array.dtype.kind in "iu":  # NumPy compares these with Python ints exactly
+        whole, above, below = array, array > info.max, array < info.min
+    else:
+        values = array.astype(np.float64)
+        whole = np.ceil(values) if lower else np.floor(values)
+        # float(info.max) is info.max + 1 for 64-bit dtypes: >= saturates it.
+        above, below = whole >= float(info.max), whole <= float(info.min)
+    out = np.where(above | below, 0, whole).astype(dtype)
+    np.putmask(out, above, info.max)
+    np.putmask(out, below, info.min)
+    return out
+
+
+def _float_bound(bound: ArrayLike, dtype: np.dtype) -> np.ndarray:
+    """A concrete bound for a floating leaf, rounded to its dtype as a cast
+    rounds (to nearest): past the largest finite value it is +-inf, or that
+    largest value in a dtype with no inf (`float8_e4m3fn`), where the cast
+    would give NaN. Finite leaf values never change."""
+    if isinstance(bound, int):  # a Python int of any size
+        bound = _common.int_as_float(bound)
+    array = np.asarray(bound)
+    if not np.isinf(np.asarray(np.inf).astype(dtype)):  # no inf in `dtype`
+        big = float(jnp.finfo(dtype).max)
+        array = np.clip(array.astype(np.float64), -big, big)
+    with np.errstate(over="ignore"):  # overflowing to +-inf is the rule here
+        return array.astype(dtype)
+
+
+def _bound_for(bound: ArrayLike, dtype: np.dtype, lower: bool) -> ArrayLike:
+    """`bound` in a leaf's dtype. A concrete bound is converted on the host,
+    so no value passes through JAX's default dtypes (with x64 off,
+    `jnp.asarray(np.int64(2**40))` wraps to 0, 2**31 overflows int32 and
+    16777217.0 rounds to float32's 16777216)."""
+    if _common.is_traced(bound):
+        return _traced_bound(bound, dtype)  # type: ignore[arg-type]
+    if jnp.issubdtype(dtype, jnp.integer):
+        return _integer_bound(bound, dtype, lower)
+    return _float_bound(bound, dtype)
 
 
 def clip_by_value(
@@ -80,6 +128,14 @@ def clip_by_value(
     dtype work, and bounds past the dtype's range (or +-inf) saturate, which
     clamps exactly. A traced bound for an integer leaf must have an integer
     dtype (a traced float cannot be checked: `TypeError`).
+
+    Concrete bounds are converted to each leaf's dtype on the host, never
+    through JAX's default dtypes: with x64 off, `2**31` and `np.int64(2**40)`
+    saturate for an int32 leaf and bound a float32 leaf at 2.1e9 and 1.1e12,
+    and 16777217.0 bounds an int32 leaf exactly. A floating leaf's bound is
+    rounded to its dtype as a cast rounds (to nearest): past the dtype's
+    largest finite value it is +-inf, or that largest value in a float8 dtype
+    with no inf (`float8_e4m3fn`), so no finite value changes.
 
     Args:
       tree: a pytree of real integer or floating-point arrays; None and
@@ -126,8 +182,8 @@ def clip_by_value(
     def clamp(x: jax.Array) -> jax.Array:
         x = _common.as_array(x)
         dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
-        low = _bound_for(min_value, dtype)
-        high = _bound_for(max_value, dtype)
+        low = _bound_for(min_value, dtype, lower=True)
+        high = _bound_for(max_value, dtype, lower=False)
         return jnp.clip(x, low, high).astype(dtype)
 
     return jax.tree.map(clamp, tree)
