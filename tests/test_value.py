@@ -175,3 +175,10 @@ def test_transformations_compile_once() -> None:
     grads = {"w": jnp.linspace(-3, 3, 7), "i": jnp.arange(4)}
     for tx in (clipax.clip(1.0), clipax.clip_by_value(-1.0, 2.0)):
         helpers.assert_compiles_once(tx.update, grads, tx.init(grads))
+
+
+def test_traced_bounds_past_float8_e4m3fn_s_range_saturate() -> None:
+    x = jnp.array([-448.0, -1.0, 1.5, 448.0, math.nan], jnp.float8_e4m3fn)
+    out = jax.jit(clipax.tree.clip_by_value)(x, jnp.float32(-1e3), jnp.float32(1e3))
+    assert out.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(out.astype(jnp.float32), x.astype(jnp.float32))

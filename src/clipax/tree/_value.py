@@ -47,11 +47,20 @@ def _check_integer_bound(
         )
 
 
+def _has_inf(dtype: np.dtype) -> bool:
+    """Whether the float `dtype` holds inf (`float8_e4m3fn` does not)."""
+    return bool(np.isinf(np.asarray(np.inf).astype(dtype)))
+
+
 def _traced_bound(bound: jax.Array, dtype: np.dtype) -> jax.Array:
-    """A traced `bound` in a leaf's dtype, on the device; for integer leaves
-    saturated to its range (an integer leaf's traced bound is an integer)."""
+    """A traced `bound` in a leaf's dtype, on the device; for integer leaves,
+    and float dtypes with no inf, saturated to its range (an integer leaf's
+    traced bound is an integer)."""
     bound = jnp.asarray(bound)
     if not jnp.issubdtype(dtype, jnp.integer):
+        if not _has_inf(dtype):  # the cast would give NaN past the range
+            big = float(jnp.finfo(dtype).max)
+            bound = jnp.clip(bound, -big, big)
         return bound.astype(dtype)
     info = jnp.iinfo(dtype)
     if jnp.issubdtype(bound.dtype, jnp.integer):
@@ -92,7 +101,7 @@ def _float_bound(bound: ArrayLike, dtype: np.dtype) -> np.ndarray:
     if isinstance(bound, int):  # a Python int of any size
         bound = _common.int_as_float(bound)
     array = np.asarray(bound)
-    if not np.isinf(np.asarray(np.inf).astype(dtype)):  # no inf in `dtype`
+    if not _has_inf(dtype):
         big = float(jnp.finfo(dtype).max)
         array = np.clip(array.astype(np.float64), -big, big)
     with np.errstate(over="ignore"):  # overflowing to +-inf is the rule here
