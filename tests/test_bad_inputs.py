@@ -391,3 +391,46 @@ def test_numpy_inputs_are_never_written() -> None:
         jax.tree.leaves(tree), jax.tree.leaves(before), strict=True
     ):
         np.testing.assert_array_equal(got, expected)
+
+
+# Float8 and narrower floats: JAX does not promote them to float32 in arithmetic.
+NARROW_FLOAT_CALLS: dict[str, Callable[[Any], Any]] = {
+    "global_norm": clipax.tree.global_norm,
+    "clip_by_global_norm": lambda t: clipax.tree.clip_by_global_norm(t, 1.0),
+    "clip_by_global_norm jit": lambda t: jax.jit(clipax.tree.clip_by_global_norm)(
+        t, 1.0
+    ),
+    "clip_by_norm": lambda t: clipax.tree.clip_by_norm(t, 1.0, axes=0),
+    "group_norms": clipax.tree.group_norms,
+    "per_example_global_norm_clip": lambda t: clipax.tree.per_example_global_norm_clip(
+        t, 1.0
+    ),
+    "clip_by_global_norm transformation": lambda t: _init_update(
+        clipax.clip_by_global_norm(1.0), t
+    ),
+    "clip_by_norm transformation": lambda t: _init_update(clipax.clip_by_norm(1.0), t),
+    "adagc": lambda t: _init_update(clipax.adagc(), t),
+    "zclip": lambda t: _init_update(clipax.zclip(), t),
+    "clip_by_block_rms": lambda t: _init_update(clipax.clip_by_block_rms(1.0), t),
+}
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn],
+    ids=lambda d: np.dtype(d).name,
+)
+@pytest.mark.parametrize(
+    "call", list(NARROW_FLOAT_CALLS.values()), ids=list(NARROW_FLOAT_CALLS)
+)
+def test_float8_leaves_are_rejected_by_path(
+    call: Callable[[Any], Any], dtype: Any
+) -> None:
+    tree = {"w": jnp.ones((2, 3)), "q": jnp.ones((2, 3), dtype)}
+    name = np.dtype(dtype).name
+    with pytest.raises(
+        TypeError,
+        match=rf"float16, bfloat16, float32, float64 or complex leaves; the leaf "
+        rf"at \['q'\] has dtype {name}",
+    ):
+        call(tree)

@@ -140,7 +140,8 @@ def adagc(
       ValueError: at construction, if an argument is not accepted (the message
         names it).
       TypeError: at construction, if `warmup_steps` is traced; at `init` or
-        `update`, if a leaf is not a floating-point or complex array.
+        `update`, if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
 
     Example:
       >>> import jax.numpy as jnp

@@ -120,8 +120,8 @@ def adaptive_grad_clip(
         accepted; at `init` or `update` if `axis` is out of range for a leaf,
         or a leaf of rank above 5 gets no `axis`; at `update` if `params` is
         None.
-      TypeError: if a leaf is not a floating-point or complex array (of the
-        parameters, only where the update leaf is not None or
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array (of the parameters, only where the update leaf is not None or
         `optax.MaskedNode`), or if `axis` is traced (under
         `optax.inject_hyperparams`, name it in `static_args`).
 

@@ -27,6 +27,7 @@ ARRAY_LEAVES = (
     "Python numbers); use None or optax.MaskedNode for empty leaves"
 )
 PYTHON_NUMBERS = (bool, int, float, complex)
+NORM_DTYPES = "float16, bfloat16, float32, float64 or complex"
 
 
 def is_traced(value: Any) -> bool:
@@ -89,11 +90,12 @@ def is_inexact(dtype: np.dtype) -> bool:
 
 
 def check_norm_leaves(tree: PyTree, fn_name: str) -> list[tuple[KeyPath, Any]]:
-    """Checks that every leaf is a floating or complex array; returns the leaves.
+    """Checks that every leaf is a float16, bfloat16, float32, float64 or
+    complex array; returns the leaves.
 
     Raises:
       TypeError: naming the first leaf that is not an array, or whose dtype is
-        integer, bool or not numeric.
+        integer, bool, not numeric, or a float narrower than 16 bits (float8).
     """
     flat = leaves_with_paths(tree)
     for path, leaf in flat:
@@ -106,9 +108,16 @@ def check_norm_leaf(path: KeyPath, leaf: Any, fn_name: str) -> None:
     dtype = _array_dtype(path, leaf)
     if not is_inexact(dtype):
         raise TypeError(
-            f"`{fn_name}` takes norms of floating-point or complex leaves; the "
-            f"leaf at {path_str(path)} has dtype {dtype}. Cast it to a float "
-            "dtype, or leave it out of the clipped tree (None, optax.masked)."
+            f"`{fn_name}` takes norms of {NORM_DTYPES} leaves; the leaf at "
+            f"{path_str(path)} has dtype {dtype}. Cast it to a float dtype, or "
+            "leave it out of the clipped tree (None, optax.masked)."
+        )
+    if dtype.itemsize < 2 and not jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(  # float8, float4: no implicit promotion in JAX
+            f"`{fn_name}` takes norms of {NORM_DTYPES} leaves; the leaf at "
+            f"{path_str(path)} has dtype {dtype}, which JAX does not promote to "
+            "float32 in arithmetic. Cast it (`x.astype(jnp.bfloat16)`), or "
+            "leave it out of the clipped tree (None, optax.masked)."
         )
 
 

@@ -51,7 +51,8 @@ def clip_by_norm(
     Raises:
       ValueError: at construction if `max_norm` or `axes` is not accepted; at
         `init` if `axes` is out of range for a leaf (naming its path and shape).
-      TypeError: at `init` if a leaf is not a floating-point or complex array.
+      TypeError: at `init` if a leaf is not a float16, bfloat16, float32,
+        float64 or complex array.
 
     Example:
       >>> import jax.numpy as jnp

@@ -98,7 +98,7 @@ def global_norm(
     the norm is already global.
 
     Args:
-      tree: a pytree of floating-point or complex arrays.
+      tree: a pytree of float16, bfloat16, float32, float64 or complex arrays.
       ord: 2 (default), 1, `inf` (the largest absolute value), or any real p >= 1.
       axis_name: a mesh-axis name, or a sequence of them, over which every leaf
         is split (as per-device shards under `pmap`).
@@ -113,8 +113,8 @@ def global_norm(
     Raises:
       ValueError: if `ord`, `axis_name` or `specs` is not accepted; a leaf
         without a PartitionSpec is named by its path.
-      TypeError: if a leaf is not a floating-point or complex array; the
-        message names its path.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array; the message names its path.
 
     Example:
       >>> import jax.numpy as jnp
@@ -151,8 +151,8 @@ def clip_by_global_norm(
     everywhere, also at a zero tree.
 
     Args:
-      tree: a pytree of floating-point or complex arrays; None and
-        `optax.MaskedNode` leaves are empty and come back in place.
+      tree: a pytree of float16, bfloat16, float32, float64 or complex arrays; None
+        and `optax.MaskedNode` leaves are empty and come back in place.
       max_norm: the largest global norm allowed: a positive scalar of any dtype,
         `inf` for no clipping, or a traced value (not checked; a traced value <= 0
         maps every nonzero tree to zeros).
@@ -181,7 +181,8 @@ def clip_by_global_norm(
     Raises:
       ValueError: if `max_norm`, `use_norm`, `ord`, `axis_name`, `specs` or
         `nonfinite` is not accepted.
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
       clipax.NonFiniteError: (a `FloatingPointError`) with `nonfinite="error"`,
         for a NaN or inf norm, when called eagerly; under `jax.jit`, JAX raises
         it as a `jax.errors.JaxRuntimeError` whose message ends with this

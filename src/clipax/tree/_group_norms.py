@@ -100,8 +100,9 @@ def group_norms(
     logger, to find the layer where a spike starts.
 
     Args:
-      tree: a pytree of floating-point or complex arrays (gradients, updates,
-        parameters); None and `optax.MaskedNode` leaves are empty.
+      tree: a pytree of float16, bfloat16, float32, float64 or complex arrays
+        (gradients, updates, parameters); None and `optax.MaskedNode` leaves
+        are empty.
       depth: group by the first `depth` path entries, an int >= 1.
       prefixes: group under these `/`-separated paths.
       key_prefix: put before every key, e.g. `"grads"`.
@@ -120,7 +121,8 @@ def group_norms(
         holding `/` makes two groups write as one key (`{"a/b": x}` beside
         `{"a": {"b": y}}` at `depth=2`) or leaves it ambiguous which prefix a
         leaf is under (the message names the leaves).
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
 
     Example:
       >>> import jax.numpy as jnp

@@ -69,8 +69,8 @@ def clip_by_norm(
     its norm is NaN or inf, float32 accumulation, dtypes kept.
 
     Args:
-      tree: a pytree of floating-point or complex arrays; None and
-        `optax.MaskedNode` leaves are empty and come back in place.
+      tree: a pytree of float16, bfloat16, float32, float64 or complex arrays; None
+        and `optax.MaskedNode` leaves are empty and come back in place.
       max_norm: the largest norm allowed for each leaf or slice: a positive
         scalar, `inf`, or a traced value.
       axes: None (the whole leaf), an int, or a sequence of distinct ints
@@ -87,7 +87,8 @@ def clip_by_norm(
     Raises:
       ValueError: if `max_norm` or `axes` is not accepted, or `axes` is out of
         range for a leaf (the message names the leaf's path and shape).
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
 
     Example:
       >>> import jax.numpy as jnp

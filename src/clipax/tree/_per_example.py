@@ -97,8 +97,9 @@ def per_example_global_norm_clip(
     and a count of 0.
 
     Args:
-      grads: a pytree of floating-point or complex arrays, each with the batch
-        on axis 0; None and `optax.MaskedNode` leaves are empty.
+      grads: a pytree of float16, bfloat16, float32, float64 or complex arrays,
+        each with the batch on axis 0; None and `optax.MaskedNode` leaves are
+        empty.
       l2_norm_clip: the largest global norm of one example: a scalar >= 0,
         `inf`, or a traced value.
 
@@ -110,7 +111,8 @@ def per_example_global_norm_clip(
     Raises:
       ValueError: if `l2_norm_clip` is not accepted, or a leaf has no axis 0 or
         a batch size that differs from the first leaf's.
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
 
     Example:
       >>> import jax.numpy as jnp
@@ -153,8 +155,9 @@ def per_example_layer_norm_clip(
     rules of `per_example_global_norm_clip` hold for each leaf.
 
     Args:
-      grads: a pytree of floating-point or complex arrays, each with the batch
-        on axis 0; None and `optax.MaskedNode` leaves are empty.
+      grads: a pytree of float16, bfloat16, float32, float64 or complex arrays,
+        each with the batch on axis 0; None and `optax.MaskedNode` leaves are
+        empty.
       global_l2_norm_clip: the bound `C` on the global norm of one clipped
         example: a scalar >= 0, `inf`, or a traced value.
       uniform: whether every leaf gets the same share of `C` (True, default) or
@@ -169,7 +172,8 @@ def per_example_layer_norm_clip(
     Raises:
       ValueError: if `global_l2_norm_clip` is not accepted, or a leaf has no
         axis 0 or a batch size that differs from the first leaf's.
-      TypeError: if a leaf is not a floating-point or complex array.
+      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
+        array.
 
     Example:
       >>> import jax.numpy as jnp
