@@ -422,7 +422,7 @@ def _shift(dtype: np.dtype) -> int:
 # caller's trace: leaves of one shape and dtype share one trace and one
 # lowering, and XLA inlines the calls, so the kernels are the same. Traced
 # anew for every leaf, their few dozen `jnp` operations cost about 3 ms a leaf
-# (500 x 1k: trace and lowering 2.9 s, with these 0.9 s; benchmarks/RESULTS.md).
+# (500 x 1k: trace and lowering 3.2 s, with these 0.6 s; benchmarks/RESULTS.md).
 
 
 @functools.partial(jax.jit, static_argnums=1)
