@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import chex
 import jax
@@ -12,6 +14,7 @@ import optax
 import pytest
 
 import clipax
+from clipax import _common, _fused, _reduce
 from tests import helpers
 
 
@@ -181,3 +184,132 @@ def test_transformation_compiles_once() -> None:
     state = tx.init(params)
     _, state2 = helpers.assert_compiles_once(tx.update, params, state)
     chex.assert_trees_all_equal_shapes_and_dtypes(state, state2)
+
+
+# Small leaves of one shape are reduced as stacks (`_reduce._stacks`). The test
+# session has 8 devices, so under jit a traced leaf is stacked only where
+# `can_concatenate` is made to hold, as it does with one device.
+
+
+@pytest.fixture
+def stack_under_jit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fused, "can_concatenate", lambda x: True)
+
+
+def _stackable_tree(extreme: bool, dtype: Any = jnp.float32) -> dict[str, Any]:
+    """40 leaves of (3, 4) (two stacks), 3 of (5,), one of (2,) and one past
+    `SMALL_LEAF`; with `extreme`, magnitudes from 1e-30 to 1e30 (squares that
+    overflow and underflow float32) and an all-zero leaf inside a stack."""
+    rng = np.random.default_rng(3)
+    tree: dict[str, Any] = {}
+    for i in range(40):
+        exponent = int(rng.integers(-30, 31)) if extreme else int(rng.integers(-1, 2))
+        tree[f"w{i:02d}"] = rng.normal(size=(3, 4)) * 10.0**exponent
+    if extreme:
+        tree["w05"] = np.zeros((3, 4))
+    for i in range(3):
+        tree[f"b{i}"] = rng.normal(size=5) * (1e25 if extreme and i == 1 else 1.0)
+    tree["lone"] = rng.normal(size=2)
+    tree["big"] = rng.normal(size=_fused.SMALL_LEAF + 1)
+    return {k: jnp.asarray(v, dtype) for k, v in tree.items()}
+
+
+def _flat_axes(tree: Any, axes: Any) -> tuple[list[jax.Array], list[tuple[int, ...]]]:
+    leaves = jax.tree.leaves(tree)
+    normalized = _common.normalize_axes(axes)
+    return leaves, [_common.leaf_axes(normalized, (), x.shape) for x in leaves]
+
+
+@pytest.mark.usefixtures("stack_under_jit")
+@pytest.mark.parametrize("axes", [None, 0, -1])
+@pytest.mark.parametrize("extreme", [False, True], ids=["plain", "exact-branch"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_stacked_leaves_match_float64_reference(
+    axes: Any, extreme: bool, jit: bool
+) -> None:
+    tree = _stackable_tree(extreme)
+    leaves, leaf_axes = _flat_axes(tree, axes)
+    stacks = _reduce._stacks(leaves, leaf_axes, [()] * 45, [()] * 45)
+    assert sorted(map(len, stacks)) == [3, 8, 32]  # (5,), then (3, 4) twice
+    fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, axes)  # noqa: E731
+    out, norms = (jax.jit(fn) if jit else fn)(tree)
+    np_axes = None if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    for key, x in tree.items():
+        x64 = np.asarray(x, np.float64)
+        slice_norms = np.sqrt(np.sum(x64**2, axis=np_axes))
+        np.testing.assert_allclose(
+            out[key], _ref_clip_by_norm(x64, 2.0, np_axes), rtol=2e-6, atol=1e-37
+        )
+        np.testing.assert_allclose(norms[key], np.max(slice_norms), rtol=2e-6)
+
+
+@pytest.mark.usefixtures("stack_under_jit")
+def test_stacked_leaves_equal_unstacked_with_gradients_and_vmap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tree = _stackable_tree(extreme=True)
+
+    def loss(t: Any) -> jax.Array:
+        out = clipax.tree.clip_by_norm(t, 2.0, axes=-1)
+        return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(out))
+
+    def per_example(t: Any) -> Any:  # a batch of two trees, the cond under vmap
+        return jax.vmap(lambda u: clipax.tree.clip_by_norm(u, 2.0))(t)
+
+    batch = jax.tree.map(lambda x: jnp.stack([x, x * 1e-3]), tree)
+    stacked = (jax.jit(jax.grad(loss))(tree), jax.jit(per_example)(batch))
+    leaves, leaf_axes = _flat_axes(tree, -1)
+    assert _reduce._stacks(leaves, leaf_axes, [()] * 45, [()] * 45)
+    monkeypatch.setattr(_fused, "GROUP_LEAVES", 1)  # no stacks
+    assert not _reduce._stacks(leaves, leaf_axes, [()] * 45, [()] * 45)
+    alone = (jax.jit(jax.grad(loss))(tree), jax.jit(per_example)(batch))
+    chex.assert_tree_all_finite(stacked[0])
+    chex.assert_trees_all_close(stacked, alone, rtol=1e-6, atol=1e-37)
+
+
+def test_stack_plan_keeps_to_its_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_fused, "SMALL_LEAF", 10)
+    monkeypatch.setattr(_fused, "GROUP_LEAVES", 3)
+    monkeypatch.setattr(_fused, "MAX_BUCKETED", 40)
+    leaves = [
+        jnp.ones(4),  # 0-3, 5: one stack of 3, then one of 2 (with 5)
+        jnp.ones(4),
+        jnp.ones(4),
+        jnp.ones(4),
+        jnp.ones(4, jnp.bfloat16),  # 4: its dtype alone: not stacked
+        jnp.ones(4),
+        jnp.ones(11),  # 6, 7: past SMALL_LEAF
+        jnp.ones(11),
+        jnp.ones((0, 3)),  # 8, 9: empty
+        jnp.ones((0, 3)),
+        jnp.ones((2, 5)),  # 10-12: stack of 3, 30 elements: past MAX_BUCKETED
+        jnp.ones((2, 5)),
+        jnp.ones((2, 5)),
+        jnp.ones((2, 2)),  # 13, 14: one axes each: apart
+        jnp.ones((2, 2)),
+    ]
+    axes = [tuple(range(x.ndim)) for x in leaves]
+    axes[14] = (1,)
+    groups: list[tuple[str, ...]] = [()] * len(leaves)
+    stacks = _reduce._stacks(leaves, axes, groups, groups)
+    assert stacks == [[0, 1, 2], [3, 5]]
+    monkeypatch.setattr(_fused, "MAX_BUCKETED", 60)
+    assert _reduce._stacks(leaves, axes, groups, groups)[2] == [10, 11, 12]
+    placed = list(groups)
+    placed[1] = ("data",)  # another placement: apart
+    assert _reduce._stacks(leaves, axes, placed, groups)[0] == [0, 2, 3]
+    monkeypatch.setattr(_fused, "can_concatenate", lambda x: x.dtype != jnp.float32)
+    assert _reduce._stacks(leaves, axes, groups, groups) == []
+
+
+@pytest.mark.usefixtures("stack_under_jit")
+def test_stacked_norms_are_read_at_run_time_positions() -> None:
+    # Each leaf's norm is read out of its stack's at a position that XLA sees
+    # as a run-time value (it comes out of the range test's cond): constant
+    # positions would be folded into static slices, a distinct kernel per leaf
+    # that XLA's CPU backend compiles on its own (benchmarks/RESULTS.md).
+    tree = [jnp.full(6, float(i)) for i in range(1, 9)]
+    tx = clipax.clip_by_norm(1.0)
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    assert "dynamic-slice" in hlo
+    assert not re.search(r"= f32\[\S*\] slice\(", hlo)

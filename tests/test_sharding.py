@@ -150,6 +150,47 @@ def test_per_leaf_clipping_in_shard_map_equals_one_device(
     chex.assert_trees_all_close(state.norms, expected_state.norms, rtol=1e-6)
 
 
+@pytest.mark.parametrize("axes", [None, -1])
+@pytest.mark.devices(8)
+def test_stacked_small_leaves_in_shard_map_equal_one_device(
+    mesh: jax.sharding.Mesh, axes: Any
+) -> None:
+    # Inside shard_map every leaf is a local block, so small leaves of one
+    # shape and placement are reduced as stacks (`_reduce._stacks`): their
+    # sums are completed across devices together, one stack of row-sharded
+    # leaves (one with squares that overflow float32), one replicated.
+    rng = np.random.default_rng(11)
+    host = {
+        "rows": [rng.normal(size=(8, 3)).astype(np.float32) for _ in range(5)],
+        "reps": [rng.normal(size=(4,)).astype(np.float32) for _ in range(3)],
+    }
+    host["rows"][2] *= np.float32(1e25)
+    specs = {"rows": P("data", None), "reps": P()}
+    reference = clipax.tree._norm.clip_by_norm_with_norms(host, 1.5, axes)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t: clipax.tree._norm.clip_by_norm_with_norms(
+                t, 1.5, axes, specs=specs
+            ),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=(specs, jax.tree.map(lambda _: P(), specs)),
+        )
+    )
+    sharded = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+        host,
+        {"rows": [specs["rows"]] * 5, "reps": [specs["reps"]] * 3},
+    )
+    chex.assert_trees_all_close(fn(sharded), reference, rtol=1e-6, atol=1e-7)
+    stacked = sorted(
+        len(eqn.invars)
+        for eqn, _ in helpers.equations(jax.make_jaxpr(fn)(sharded).jaxpr)
+        if eqn.primitive.name in ("stack", "concatenate") and len(eqn.invars) in (3, 5)
+    )
+    assert stacked == [3, 5], stacked
+
+
 def _collectives(jaxpr: Any, counts: dict[str, int]) -> None:
     """Counts psum/pmax equations, those inside `cond` branches and `while`
     loops apart (keyed "cond psum", "while psum")."""

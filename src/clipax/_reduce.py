@@ -10,7 +10,8 @@ chosen from that sum (`_next_scale`): the two passes are the iterations of one
 the bare formula's, and one scalar test over the whole tree decides under one
 `lax.cond` whether a second pass, each slice scaled by a power of two chosen
 from its own sum, repairs overflow and underflow (a loop with per-leaf
-carries compiled slower there).
+carries compiled slower there); small leaves of one shape take all of this as
+one stacked array (`_stacks`), each leaf's norms read back out of the stack's.
 
 Two concerns meet here, each solved once:
 
@@ -476,12 +477,52 @@ def _rescaled_root(total: jax.Array, scale: jax.Array) -> jax.Array:
     return _common.safe_root(total, 2.0) / scale
 
 
+def _stacks(
+    leaves: list[jax.Array],
+    leaf_axes: list[tuple[int, ...]],
+    groups: list[MeshAxes],
+    buckets: list[MeshAxes],
+) -> list[list[int]]:
+    """Indices of small leaves whose slice norms are taken as one stack.
+
+    A stack holds 2 to `_fused.GROUP_LEAVES` nonempty leaves of at most
+    `_fused.SMALL_LEAF` elements with one shape, dtype, `axes` and placement,
+    each whole on every device that holds it (`_fused.can_concatenate`); at
+    most `_fused.MAX_BUCKETED` elements are stacked in all (the stacks are
+    copies).
+    """
+    same: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if 0 < x.size <= _fused.SMALL_LEAF and _fused.can_concatenate(x):
+            placed = (groups[i], buckets[i], _varying(x))
+            same.setdefault((x.shape, x.dtype, leaf_axes[i], placed), []).append(i)
+    stacks: list[list[int]] = []
+    stacked = 0
+    for members in same.values():
+        for start in range(0, len(members), _fused.GROUP_LEAVES):
+            chunk = members[start : start + _fused.GROUP_LEAVES]
+            size = len(chunk) * leaves[chunk[0]].size
+            if len(chunk) > 1 and stacked + size <= _fused.MAX_BUCKETED:
+                stacks.append(chunk)
+                stacked += size
+    return stacks
+
+
+@jax.jit
+def _take(norms: jax.Array, position: jax.Array) -> jax.Array:
+    """The norms of one stacked leaf, at `position` along the stack."""
+    return jax.lax.dynamic_index_in_dim(norms, position, keepdims=False)
+
+
 def slice_norms(
     leaves: list[jax.Array],
     leaf_axes: list[tuple[int, ...]],
     placements: list[list[MeshAxes]] | None = None,
-) -> list[jax.Array]:
-    """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims).
+    then: Callable[[jax.Array], Any] | None = None,
+) -> list[Any]:
+    """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims); with
+    `then`, `then(norms)` for each leaf (a pytree of arrays; `then` works
+    element by element).
 
     Exact for every finite input. The fast pass is the bare formula's one
     float32 sum of squares per slice. One scalar test over the whole tree,
@@ -492,6 +533,17 @@ def slice_norms(
     every leaf compiled 1.1-1.5 x slower (benchmarks/RESULTS.md). With
     `placements`, sums over sharded dimensions are completed across devices
     (one psum per axis set) and the test is the same on every device.
+
+    Small leaves of one shape (`_stacks`) go through all of this as one
+    stacked array, so that their sums, roots and rescaled sums are one kernel
+    per stack, not per leaf; each leaf's norms are then read out of its
+    stack's at a position that comes out of the `lax.cond`. To XLA that
+    position is a run-time value, so the kernels that read it are the same
+    for every leaf of one shape, and XLA's CPU backend compiles them once
+    (about 8 ms each); a constant position made one kernel per leaf
+    (benchmarks/RESULTS.md). `then` is applied to a stack's norms once, and
+    its results are read out per leaf (`clip_by_norm`'s clip factor: one
+    kernel per stack, not one per leaf).
     """
     if not leaves:
         return []
@@ -501,37 +553,59 @@ def slice_norms(
         pairs = zip(placements, leaf_axes, strict=True)
         groups = [reduced_mesh_axes(e, a) for e, a in pairs]
         buckets = [reduced_mesh_axes(e, range(len(e))) for e in placements]
-    sums = [_plain_sum(x, a) for x, a in zip(leaves, leaf_axes, strict=True)]
+    stacks = _stacks(leaves, leaf_axes, groups, buckets)
+    stacked = {i for members in stacks for i in members}
+    # A unit is a stack of small leaves or one leaf, reduced over `axes`.
+    firsts = [members[0] for members in stacks]
+    alone = [i for i in range(len(leaves)) if i not in stacked]
+    units = [jnp.stack([leaves[i] for i in members]) for members in stacks]
+    units += [leaves[i] for i in alone]
+    axes = [tuple(a + 1 for a in leaf_axes[i]) for i in firsts]
+    axes += [leaf_axes[i] for i in alone]
+    groups = [groups[i] for i in firsts + alone]
+    buckets = [buckets[i] for i in firsts + alone]
+    sums = [_plain_sum(x, a) for x, a in zip(units, axes, strict=True)]
     sums = _collective(sums, groups, jax.lax.psum, buckets)
-    # Per-leaf values stay separate buffers: concatenating them and slicing
+    # Per-unit values stay separate buffers: concatenating them and slicing
     # them back made XLA's CPU compile 5x slower (benchmarks/RESULTS.md). The
     # range test reads them concatenated (per dtype), with one reduction: a
     # chain of one test per leaf compiled twice as slowly at 500 leaves.
     # Sums that may be split over devices (an explicit sharding) are tested
     # alone: concatenating them would reshard them.
     by_dtype: dict[Any, list[jax.Array]] = {}
-    alone = []
+    lone = []
     for s in sums:
         if _fused.can_concatenate(s):
             by_dtype.setdefault(s.dtype, []).append(jnp.ravel(s))
         else:
-            alone.append(s)
-    tested = [_fused.concat(parts) for parts in by_dtype.values()] + alone
+            lone.append(s)
+    tested = [_fused.concat(parts) for parts in by_dtype.values()] + lone
     flags = [jnp.any(_untrusted(v)) for v in tested]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
+    width = max(map(len, stacks), default=0)
 
-    def exact() -> list[jax.Array]:
-        pairs = zip(leaves, leaf_axes, sums, strict=True)
+    def positions() -> tuple[jax.Array, ...]:
+        return tuple(jnp.int32(j) for j in range(width))
+
+    def exact() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+        pairs = zip(units, axes, sums, strict=True)
         out, scales = zip(*[_rescaled_sum(x, a, s) for x, a, s in pairs], strict=True)
         totals = _collective(list(out), groups, jax.lax.psum, buckets)
-        return [_rescaled_root(t, f) for t, f in zip(totals, scales, strict=True)]
+        roots = [_rescaled_root(t, f) for t, f in zip(totals, scales, strict=True)]
+        return roots, positions()
 
-    def plain() -> list[jax.Array]:
-        return [_plain_root(s) for s in sums]
+    def plain() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
+        return [_plain_root(s) for s in sums], positions()
 
-    return _branch(untrusted, exact, plain)
+    norms, position = _branch(untrusted, exact, plain)
+    results = [n if then is None else then(n) for n in norms]
+    by_leaf = dict(zip(alone, results[len(stacks) :], strict=True))
+    for result, members in zip(results[: len(stacks)], stacks, strict=True):
+        for j, i in enumerate(members):
+            by_leaf[i] = jax.tree.map(lambda v, j=j: _take(v, position[j]), result)
+    return [by_leaf[i] for i in range(len(leaves))]
 
 
 def leaf_peak_norms(

@@ -10,12 +10,18 @@ from jax.typing import ArrayLike
 
 from clipax import _common, _reduce
 
+# Jitted, so that leaves (or stacks) of one shape and dtype share one trace
+# (see `_reduce._plain_sum`).
+
 
 @jax.jit
-def _clip_leaf(x: jax.Array, norm: jax.Array, max_norm: Any) -> jax.Array:
-    """`x` clipped by its (slice) norm; jitted, so that leaves of one shape and
-    dtype share one trace (see `_reduce._plain_sum`)."""
-    return _common.apply_scale(x, _common.clip_scale(norm, max_norm))
+def _with_scale(norms: jax.Array, max_norm: Any) -> tuple[jax.Array, jax.Array]:
+    return norms, _common.clip_scale(norms, max_norm)
+
+
+@jax.jit
+def _apply(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return _common.apply_scale(x, scale)
 
 
 def clip_by_norm_with_norms(
@@ -44,8 +50,11 @@ def clip_by_norm_with_norms(
     if axis_name is not None or specs is not None:
         placements = _reduce.leaf_placements(flat, specs, axis_name)
     leaves = [x for _, x in flat]
-    norms = _reduce.slice_norms(leaves, leaf_axes, placements)
-    clipped = [_clip_leaf(x, n, max_norm) for x, n in zip(leaves, norms, strict=True)]
+    pairs = _reduce.slice_norms(
+        leaves, leaf_axes, placements, lambda n: _with_scale(n, max_norm)
+    )
+    norms = [n for n, _ in pairs]
+    clipped = [_apply(x, s) for x, (_, s) in zip(leaves, pairs, strict=True)]
     peaks = _reduce.leaf_peak_norms(norms, placements)
     treedef = jax.tree.structure(tree)
     return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, peaks)
