@@ -426,11 +426,19 @@ def _shift(dtype: np.dtype) -> int:
 # (500 x 1k: trace and lowering 3.2 s, with these 0.6 s; benchmarks/RESULTS.md).
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _plain_sum(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """The float32 (or wider) sum of squares of `x` over `axes`, kept dims."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _plain_sum(x: jax.Array, axes: tuple[int, ...], keep: bool) -> jax.Array:
+    """The float32 (or wider) sum of squares of `x` over `axes`, with the
+    reduced dims kept where `keep`.
+
+    A norm over a whole leaf is a scalar (or, for a stack, a vector), not an
+    array of size-1 dims: the scalar kernels that follow (roots, range
+    scales, clip factors) are then one kernel for leaves of every rank, which
+    XLA's CPU backend compiles once (10-20 % less compile on model-shaped
+    trees; benchmarks/RESULTS.md).
+    """
     squares = _common.powers(_fused.opaque_if_narrow(x), 2.0)
-    return jnp.sum(squares, axis=axes, keepdims=True)
+    return jnp.sum(squares, axis=axes, keepdims=keep)
 
 
 @jax.jit
@@ -451,12 +459,12 @@ def _range_scale(total: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(jnp.where(jnp.isposinf(total), one * 2.0**-k, up))
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, static_argnums=(1, 3))
 def _rescaled_sum(
-    x: jax.Array, axes: tuple[int, ...], total: jax.Array
+    x: jax.Array, axes: tuple[int, ...], total: jax.Array, keep: bool
 ) -> tuple[jax.Array, jax.Array]:
     """`(sum of |x scale|**2 over axes, scale)`, `scale` from `x`'s plain sums
-    `total` (`_range_scale`); kept dims.
+    `total` (`_range_scale`); reduced dims kept where `keep` (`_plain_sum`).
 
     `scale` is chosen at run time, so XLA cannot fold it into the square (a
     constant 2**80 became 2**160 = inf there, and 0 * inf = NaN). A narrow
@@ -464,11 +472,11 @@ def _rescaled_sum(
     its float32 upcast is fused into this reduction, never written out.
     """
     scale = _range_scale(total)
-    factor = scale
+    factor = scale if keep else jnp.expand_dims(scale, axes)
     if _fused.is_narrow(x.dtype):
-        x, factor = _fused.scaled_pair(x, scale)
+        x, factor = _fused.scaled_pair(x, factor)
     squares = _common.powers(_upcast(x) * factor, 2.0)
-    return jnp.sum(squares, axis=axes, keepdims=True), scale
+    return jnp.sum(squares, axis=axes, keepdims=keep), scale
 
 
 @jax.jit
@@ -520,7 +528,8 @@ def slice_norms(
     placements: list[list[MeshAxes]] | None = None,
     then: Callable[[jax.Array], Any] | None = None,
 ) -> list[Any]:
-    """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims); with
+    """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims; a scalar
+    where `leaf_axes` are all of the leaf's dims); with
     `then`, `then(norms)` for each leaf (a pytree of arrays; `then` works
     element by element).
 
@@ -564,7 +573,8 @@ def slice_norms(
     axes += [leaf_axes[i] for i in alone]
     groups = [groups[i] for i in firsts + alone]
     buckets = [buckets[i] for i in firsts + alone]
-    sums = [_plain_sum(x, a) for x, a in zip(units, axes, strict=True)]
+    keeps = [len(leaf_axes[i]) < leaves[i].ndim for i in firsts + alone]
+    sums = [_plain_sum(*unit) for unit in zip(units, axes, keeps, strict=True)]
     sums = _collective(sums, groups, jax.lax.psum, buckets)
     # Per-unit values stay separate buffers: concatenating them and slicing
     # them back at constant offsets made XLA's CPU compile 5x slower, a
@@ -591,8 +601,10 @@ def slice_norms(
         return tuple(jnp.int32(j) for j in range(width))
 
     def exact() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
-        pairs = zip(units, axes, sums, strict=True)
-        out, scales = zip(*[_rescaled_sum(x, a, s) for x, a, s in pairs], strict=True)
+        pairs = zip(units, axes, sums, keeps, strict=True)
+        out, scales = zip(
+            *[_rescaled_sum(x, a, s, k) for x, a, s, k in pairs], strict=True
+        )
         totals = _collective(list(out), groups, jax.lax.psum, buckets)
         roots = [_rescaled_root(t, f) for t, f in zip(totals, scales, strict=True)]
         return roots, positions()
