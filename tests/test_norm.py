@@ -313,3 +313,31 @@ def test_stacked_norms_are_read_at_run_time_positions() -> None:
     hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
     assert "dynamic-slice" in hlo
     assert not re.search(r"= f32\[\S*\] slice\(", hlo)
+
+
+@pytest.mark.usefixtures("stack_under_jit")
+@pytest.mark.parametrize(
+    ("dtype", "rtol"),
+    [(jnp.bfloat16, 1e-2), (jnp.float16, 2e-3), (jnp.complex64, 2e-6)],
+)
+def test_stacked_narrow_and_complex_leaves_in_the_exact_branch(
+    dtype: Any, rtol: float
+) -> None:
+    # An all-zero leaf sends the whole tree through the exact branch, where a
+    # narrow stack goes through a barrier with its (broadcast) scale.
+    tree = _stackable_tree(extreme=False, dtype=dtype)
+    tree["w07"] = jnp.zeros((3, 4), dtype)
+    if dtype == jnp.complex64:
+        tree = {k: v * (1 - 2j) for k, v in tree.items()}
+    out, norms = jax.jit(
+        lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, -1)
+    )(tree)
+    for key, x in tree.items():
+        x128 = np.asarray(x, np.complex128)
+        slice_norms = np.sqrt(np.sum(np.abs(x128) ** 2, axis=-1, keepdims=True))
+        scale = np.where(slice_norms > 2.0, 2.0 / np.maximum(slice_norms, 1e-300), 1)
+        assert out[key].dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(out[key], np.complex128), x128 * scale, rtol=rtol, atol=1e-6
+        )
+        np.testing.assert_allclose(norms[key], np.max(slice_norms), rtol=rtol)
