@@ -361,3 +361,24 @@ def test_donated_training_step(clip: optax.GradientTransformation) -> None:
         p2, s2 = donated(p2, s2, scale)  # the old p2, s2 are consumed
     chex.assert_trees_all_close(p1, p2)
     chex.assert_trees_all_close(s1, s2)
+
+
+@pytest.mark.parametrize("ord", [1.0, 1.5, 2.0, math.inf])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_complex_infinite_element_gives_an_infinite_norm(ord: float, jit: bool) -> None:
+    # The rescaled pass scales the real and imaginary parts apart: a complex
+    # product would make the imaginary part of inf + 0j inf * 0 = NaN, and the
+    # norm NaN instead of inf.
+    tree = {
+        "c": jnp.array([math.inf + 0j, 1 + 1j], jnp.complex64),
+        "r": jnp.ones(3),
+    }
+    global_norm = lambda t: clipax.tree.global_norm(t, ord=ord)  # noqa: E731
+    with_norms = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 1.0, None)  # noqa: E731
+    if jit:
+        global_norm, with_norms = jax.jit(global_norm), jax.jit(with_norms)
+    assert float(global_norm(tree)) == math.inf
+    clipped, norms = with_norms(tree)
+    assert float(norms["c"]) == math.inf
+    np.testing.assert_allclose(norms["r"], math.sqrt(3), rtol=1e-6)
+    assert bool(jnp.all(jnp.isnan(clipped["c"])))  # the NaN rule, as before

@@ -342,6 +342,15 @@ def powers(x: jax.Array, p: float) -> jax.Array:
     return magnitude**p
 
 
+def scale_by(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """`x * factor` for a real `factor`; a complex `x` has its real and
+    imaginary parts scaled apart (a complex product makes the imaginary part
+    of `inf + 0j` inf * 0 = NaN)."""
+    if jnp.iscomplexobj(x):
+        return jax.lax.complex(x.real * factor, x.imag * factor)
+    return x * factor
+
+
 def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
     """Sum of |x|**p over `axes` (max |x| for p = inf), kept dims, float32+.
 

@@ -208,7 +208,8 @@ def partial_sums(
         # complex type): in a float64 tree a float32 leaf's sum cannot
         # overflow where the scale was chosen for float64's range.
         x, factor = scaled_pair(leaves[i], scale)
-        return x.astype(jnp.result_type(x.dtype, dtype)) * factor.astype(dtype)
+        wide = x.astype(jnp.result_type(x.dtype, dtype))
+        return _common.scale_by(wide, factor.astype(dtype))
 
     parts = [_common.power_sum(prepared(i), p) for i in alone]
     for group in groups:

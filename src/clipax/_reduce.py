@@ -394,7 +394,7 @@ def _norm_in_two_passes(
         # underflows where x is extreme.
         scale = jax.lax.stop_gradient(passes(primals[0])[1])
         one = jnp.ones_like(scale)
-        scaled = [_upcast(x) * scale for x in primals[0]]
+        scaled = [_common.scale_by(_upcast(x), scale) for x in primals[0]]
         dots = [t.astype(y.dtype) for t, y in zip(tangents[0], scaled, strict=True)]
         unit, slope = jax.jvp(
             lambda ys: _common.safe_root(summed(ys, one), p), (scaled,), (dots,)
@@ -475,7 +475,7 @@ def _rescaled_sum(
     factor = scale if keep else jnp.expand_dims(scale, axes)
     if _fused.is_narrow(x.dtype):
         x, factor = _fused.scaled_pair(x, factor)
-    squares = _common.powers(_upcast(x) * factor, 2.0)
+    squares = _common.powers(_common.scale_by(_upcast(x), factor), 2.0)
     return jnp.sum(squares, axis=axes, keepdims=keep), scale
 
 
