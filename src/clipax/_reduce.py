@@ -578,9 +578,9 @@ def slice_norms(
     sums = _collective(sums, groups, jax.lax.psum, buckets)
     # Per-unit values stay separate buffers: concatenating them and slicing
     # them back at constant offsets made XLA's CPU compile 5x slower, a
-    # distinct kernel per slice (benchmarks/RESULTS.md). The
-    # range test reads them concatenated (per dtype), with one reduction: a
-    # chain of one test per leaf compiled twice as slowly at 500 leaves.
+    # distinct kernel per slice (benchmarks/RESULTS.md). The range test reads
+    # them concatenated (per dtype), with one reduction: a chain of one test
+    # per leaf compiled twice as slowly at 500 leaves.
     # Sums that may be split over devices (an explicit sharding) are tested
     # alone: concatenating them would reshard them.
     by_dtype: dict[Any, list[jax.Array]] = {}
