@@ -189,17 +189,16 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
                 why=f"the old array has dtype {old_dtype}, the new one {new_dtype}",
             )
         )
-    if extended:  # a jax.Array (no NumPy form), already of new's dtype
-        if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
-            return old
-        if isinstance(new, jax.Array) and old.sharding != new.sharding:
-            return jax.device_put(old, new.sharding)
-        return old
+
+    def cast(value: Any) -> Any:
+        # A key array (a jax.Array or tracer) is of new's dtype already and
+        # has no `astype`.
+        return value if extended else value.astype(new_dtype)
+
     if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
-        return jnp.asarray(old).astype(new_dtype)  # under jax.jit
+        return cast(jnp.asarray(old))  # under jax.jit
     if isinstance(new, jax.Array):
-        value = old if isinstance(old, jax.Array) else np.asarray(old)
-        value = value.astype(new_dtype)
+        value = cast(old if isinstance(old, jax.Array) else np.asarray(old))
         if isinstance(value, jax.Array) and value.sharding == new.sharding:
             return value
         return jax.device_put(value, new.sharding)
