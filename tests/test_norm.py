@@ -341,3 +341,66 @@ def test_stacked_narrow_and_complex_leaves_in_the_exact_branch(
             np.asarray(out[key], np.complex128), x128 * scale, rtol=rtol, atol=1e-6
         )
         np.testing.assert_allclose(norms[key], np.max(slice_norms), rtol=rtol)
+
+
+_PACKED_RTOL = {"float32": 2e-6, "float64": 1e-12, "bfloat16": 1e-2, "complex64": 2e-6}
+
+
+@pytest.mark.parametrize("axes", [None, -1])
+@pytest.mark.parametrize("extreme", [False, True], ids=["plain", "exact-branch"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_whole_leaf_norms_packed_across_shapes_and_dtypes(
+    axes: Any, extreme: bool, jit: bool
+) -> None:
+    # Whole-leaf norms of every rank, lone or stacked, take their roots and
+    # clip factors as one vector per accumulation dtype (float32 for
+    # bfloat16 and complex64 leaves, float64 apart), each leaf's read back at
+    # its own position; with axes=-1 the matrices' row norms stay per leaf.
+    rng = np.random.default_rng(5)
+    scalar = () if axes is None else (1,)  # axes=-1 needs a dimension
+    shapes = [scalar, (7,), (3, 5), (2, 3, 4), (_fused.SMALL_LEAF + 3,), (7,), (7,)]
+    dtypes = ["float32", "float64", "bfloat16", "complex64"]
+    with jax.enable_x64(True):
+        tree: dict[str, Any] = {}
+        for i, shape in enumerate(shapes):
+            for dtype in dtypes:
+                exponent = int(rng.integers(-30, 31)) if extreme else 0
+                x = rng.normal(size=shape) * 10.0**exponent
+                if dtype == "complex64":
+                    x = x * (0.6 - 0.8j)
+                tree[f"{dtype}_{i}"] = jnp.asarray(x, dtype)
+        fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, axes)  # noqa: E731
+        out, norms = (jax.jit(fn) if jit else fn)(tree)
+        for key, x in tree.items():
+            dtype = key.split("_")[0]
+            x128 = np.asarray(x, np.complex128)
+            np_axes = None if axes is None else -1
+            slice_norms = np.sqrt(
+                np.sum(np.abs(x128) ** 2, axis=np_axes, keepdims=True)
+            )
+            scale = np.where(slice_norms > 2.0, 2.0 / slice_norms, 1.0)
+            assert out[key].dtype == x.dtype, key
+            np.testing.assert_allclose(
+                np.asarray(out[key], np.complex128),
+                x128 * scale,
+                rtol=_PACKED_RTOL[dtype],
+                atol=1e-300,
+                err_msg=key,
+            )
+            np.testing.assert_allclose(
+                norms[key], np.max(slice_norms), rtol=_PACKED_RTOL[dtype], err_msg=key
+            )
+
+
+def test_whole_leaf_roots_and_clip_factors_are_one_kernel_per_pack() -> None:
+    # Eight large leaves of different shapes, under jit over 8 devices (their
+    # sums are scalars, whole everywhere): the roots, after the range test,
+    # and the clip factors are vector operations on one pack, and each leaf's
+    # are read out at a run-time position; a root or a clip factor per leaf
+    # would be scalar kernels, one per leaf.
+    tree = [jnp.ones(_fused.SMALL_LEAF + k) for k in range(8)]
+    tx = clipax.clip_by_norm(1.0)
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    assert len(re.findall(r"= f32\[8\]\S* sqrt\(", hlo)) == 1
+    assert not re.search(r"= f32\[\] (?:sqrt|divide)\(", hlo)
+    assert "dynamic-slice" in hlo

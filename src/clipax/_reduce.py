@@ -11,7 +11,9 @@ the bare formula's, and one scalar test over the whole tree decides under one
 `lax.cond` whether a second pass, each slice scaled by a power of two chosen
 from its own sum, repairs overflow and underflow (a loop with per-leaf
 carries compiled slower there); small leaves of one shape take all of this as
-one stacked array (`_stacks`), each leaf's norms read back out of the stack's.
+one stacked array (`_stacks`), and whole-leaf sums are gathered into one
+vector per dtype (a pack), whose roots and clip factors are one kernel after
+the test; each leaf's norms are read back out of its stack's or pack's.
 
 Two concerns meet here, each solved once:
 
@@ -441,14 +443,6 @@ def _plain_sum(x: jax.Array, axes: tuple[int, ...], keep: bool) -> jax.Array:
     return jnp.sum(squares, axis=axes, keepdims=keep)
 
 
-@jax.jit
-def _plain_root(total: jax.Array) -> jax.Array:
-    """The root of a sum the range test trusts (at least `_trust_floor`, or
-    NaN): the floor changes no value, and keeps the root's derivative finite
-    where `vmap` evaluates the plain branch on the rare one's inputs."""
-    return jnp.sqrt(jnp.maximum(total, _trust_floor(total.dtype)))
-
-
 def _range_scale(total: jax.Array) -> jax.Array:
     """The power of two by which the exact pass scales the slices of `total`:
     2**-k where it is inf, 2**k where it is below `_trust_floor`, 1 elsewhere
@@ -462,8 +456,8 @@ def _range_scale(total: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _rescaled_sum(
     x: jax.Array, axes: tuple[int, ...], total: jax.Array, keep: bool
-) -> tuple[jax.Array, jax.Array]:
-    """`(sum of |x scale|**2 over axes, scale)`, `scale` from `x`'s plain sums
+) -> jax.Array:
+    """The sum of |x scale|**2 over `axes`, `scale` from `x`'s plain sums
     `total` (`_range_scale`); reduced dims kept where `keep` (`_plain_sum`).
 
     `scale` is chosen at run time, so XLA cannot fold it into the square (a
@@ -476,13 +470,15 @@ def _rescaled_sum(
     if _fused.is_narrow(x.dtype):
         x, factor = _fused.scaled_pair(x, factor)
     squares = _common.powers(_common.scale_by(_upcast(x), factor), 2.0)
-    return jnp.sum(squares, axis=axes, keepdims=keep), scale
+    return jnp.sum(squares, axis=axes, keepdims=keep)
 
 
 @jax.jit
-def _rescaled_root(total: jax.Array, scale: jax.Array) -> jax.Array:
-    """The norm from a sum of |x scale|**2."""
-    return _common.safe_root(total, 2.0) / scale
+def _root(total: jax.Array, sums: jax.Array) -> jax.Array:
+    """The norm from the sum of |x scale|**2 that the range test chose, either
+    pass's: `scale` is `_range_scale` of the plain `sums`, which is 1 wherever
+    the plain pass is taken, so both passes share one root after the test."""
+    return _common.safe_root(total, 2.0) / _range_scale(sums)
 
 
 def _stacks(
@@ -518,7 +514,7 @@ def _stacks(
 
 @jax.jit
 def _take(norms: jax.Array, position: jax.Array) -> jax.Array:
-    """The norms of one stacked leaf, at `position` along the stack."""
+    """The norms of one leaf, at `position` along its stack or pack."""
     return jax.lax.dynamic_index_in_dim(norms, position, keepdims=False)
 
 
@@ -544,15 +540,19 @@ def slice_norms(
     (one psum per axis set) and the test is the same on every device.
 
     Small leaves of one shape (`_stacks`) go through all of this as one
-    stacked array, so that their sums, roots and rescaled sums are one kernel
-    per stack, not per leaf; each leaf's norms are then read out of its
-    stack's at a position that comes out of the `lax.cond`. To XLA that
+    stacked array, so that their sums and rescaled sums are one kernel per
+    stack, not per leaf. Sums over whole leaves (scalars, or a stack's vector)
+    are then gathered into one vector per dtype, a pack: the range test, the
+    root (one, after the test, for either pass: the passes differ only in
+    their sums) and `then` are one kernel per pack (one sqrt and one clip
+    factor per leaf compiled 1.2 x slower on model-shaped trees;
+    benchmarks/RESULTS.md). Each leaf's norms are read out of its stack's or
+    pack's at a position that comes out of the `lax.cond`. To XLA that
     position is a run-time value, so the kernels that read it are the same
     for every leaf of one shape, and XLA's CPU backend compiles them once
     (about 8 ms each); a constant position made one kernel per leaf
-    (benchmarks/RESULTS.md). `then` is applied to a stack's norms once, and
-    its results are read out per leaf (`clip_by_norm`'s clip factor: one
-    kernel per stack, not one per leaf).
+    (benchmarks/RESULTS.md). `then` is applied to a pack's (or a stack's)
+    norms once, and its results are read out per leaf.
     """
     if not leaves:
         return []
@@ -565,59 +565,87 @@ def slice_norms(
     stacks = _stacks(leaves, leaf_axes, groups, buckets)
     stacked = {i for members in stacks for i in members}
     # A unit is a stack of small leaves or one leaf, reduced over `axes`.
-    firsts = [members[0] for members in stacks]
-    alone = [i for i in range(len(leaves)) if i not in stacked]
-    units = [jnp.stack([leaves[i] for i in members]) for members in stacks]
-    units += [leaves[i] for i in alone]
-    axes = [tuple(a + 1 for a in leaf_axes[i]) for i in firsts]
-    axes += [leaf_axes[i] for i in alone]
-    groups = [groups[i] for i in firsts + alone]
-    buckets = [buckets[i] for i in firsts + alone]
-    keeps = [len(leaf_axes[i]) < leaves[i].ndim for i in firsts + alone]
+    members = stacks + [[i] for i in range(len(leaves)) if i not in stacked]
+    firsts = [unit[0] for unit in members]
+    units = [jnp.stack([leaves[i] for i in unit]) for unit in stacks]
+    units += [leaves[unit[0]] for unit in members[len(stacks) :]]
+    axes = [tuple(a + 1 for a in leaf_axes[i]) for i in firsts[: len(stacks)]]
+    axes += [leaf_axes[unit[0]] for unit in members[len(stacks) :]]
+    groups = [groups[i] for i in firsts]
+    buckets = [buckets[i] for i in firsts]
+    keeps = [len(leaf_axes[i]) < leaves[i].ndim for i in firsts]
     sums = [_plain_sum(*unit) for unit in zip(units, axes, keeps, strict=True)]
     sums = _collective(sums, groups, jax.lax.psum, buckets)
-    # Per-unit values stay separate buffers: concatenating them and slicing
-    # them back at constant offsets made XLA's CPU compile 5x slower, a
-    # distinct kernel per slice (benchmarks/RESULTS.md). The range test reads
-    # them concatenated (per dtype), with one reduction: a chain of one test
-    # per leaf compiled twice as slowly at 500 leaves.
-    # Sums that may be split over devices (an explicit sharding) are tested
-    # alone: concatenating them would reshard them.
+    # Whole-leaf norms are scalars (a vector for a stack): those of one dtype,
+    # varying over the same mesh axes, are gathered into one vector (a pack),
+    # so that the roots and `then` are one kernel per pack, not per leaf. A
+    # scalar is whole on every device; a stack's vector is (its leaves are).
+    # Norms over `axes` stay per unit.
+    by_key: dict[Any, list[int]] = {}
+    sliced = []
+    for u, s in enumerate(sums):
+        if not keeps[u]:
+            by_key.setdefault((s.dtype, _varying(s)), []).append(u)
+        else:
+            sliced.append(u)
+    packs = list(by_key.values())
+
+    def packed(values: Sequence[jax.Array], pack: list[int]) -> jax.Array:
+        return _fused.concat([jnp.atleast_1d(values[u]) for u in pack])
+
+    vectors = [packed(sums, pack) for pack in packs]
+    # The range test reads every sum, concatenated per dtype, with one
+    # reduction: a chain of one test per leaf compiled twice as slowly at 500
+    # leaves.
     by_dtype: dict[Any, list[jax.Array]] = {}
     lone = []
-    for s in sums:
-        if _fused.can_concatenate(s):
-            by_dtype.setdefault(s.dtype, []).append(jnp.ravel(s))
+    for v in vectors + [sums[u] for u in sliced]:
+        if _fused.can_concatenate(v):
+            by_dtype.setdefault(v.dtype, []).append(jnp.ravel(v))
         else:
-            lone.append(s)
+            lone.append(v)
     tested = [_fused.concat(parts) for parts in by_dtype.values()] + lone
     flags = [jnp.any(_untrusted(v)) for v in tested]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
-    width = max(map(len, stacks), default=0)
+    width = max(
+        [len(members[u]) for u in sliced] + [len(v) for v in vectors], default=0
+    )
 
     def positions() -> tuple[jax.Array, ...]:
         return tuple(jnp.int32(j) for j in range(width))
 
+    # The passes differ only in their sums; the roots (and `then`) follow the
+    # test, one kernel per pack or unit for either pass.
+    plain_sums = vectors + [sums[u] for u in sliced]
+
     def exact() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         pairs = zip(units, axes, sums, keeps, strict=True)
-        out, scales = zip(
-            *[_rescaled_sum(x, a, s, k) for x, a, s, k in pairs], strict=True
-        )
-        totals = _collective(list(out), groups, jax.lax.psum, buckets)
-        roots = [_rescaled_root(t, f) for t, f in zip(totals, scales, strict=True)]
-        return roots, positions()
+        out = [_rescaled_sum(x, a, s, k) for x, a, s, k in pairs]
+        totals = _collective(out, groups, jax.lax.psum, buckets)
+        totals = [packed(totals, pack) for pack in packs] + [totals[u] for u in sliced]
+        return totals, positions()
 
     def plain() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
-        return [_plain_root(s) for s in sums], positions()
+        return plain_sums, positions()
 
-    norms, position = _branch(untrusted, exact, plain)
+    totals, position = _branch(untrusted, exact, plain)
+    norms = [_root(t, s) for t, s in zip(totals, plain_sums, strict=True)]
     results = [n if then is None else then(n) for n in norms]
-    by_leaf = dict(zip(alone, results[len(stacks) :], strict=True))
-    for result, members in zip(results[: len(stacks)], stacks, strict=True):
-        for j, i in enumerate(members):
-            by_leaf[i] = jax.tree.map(lambda v, j=j: _take(v, position[j]), result)
+
+    def read(result: Any, j: int) -> Any:
+        return jax.tree.map(lambda v: _take(v, position[j]), result)
+
+    by_leaf: dict[int, Any] = {}
+    for result, pack in zip(results[: len(packs)], packs, strict=True):
+        row = [i for u in pack for i in members[u]]
+        by_leaf.update((i, read(result, j)) for j, i in enumerate(row))
+    for result, u in zip(results[len(packs) :], sliced, strict=True):
+        if u < len(stacks):
+            by_leaf.update((i, read(result, j)) for j, i in enumerate(members[u]))
+        else:
+            by_leaf[members[u][0]] = result
     return [by_leaf[i] for i in range(len(leaves))]
 
 
