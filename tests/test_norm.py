@@ -346,6 +346,7 @@ def test_stacked_narrow_and_complex_leaves_in_the_exact_branch(
 _PACKED_RTOL = {"float32": 2e-6, "float64": 1e-12, "bfloat16": 1e-2, "complex64": 2e-6}
 
 
+@pytest.mark.usefixtures("stack_under_jit")
 @pytest.mark.parametrize("axes", [None, -1])
 @pytest.mark.parametrize("extreme", [False, True], ids=["plain", "exact-branch"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -356,6 +357,8 @@ def test_whole_leaf_norms_packed_across_shapes_and_dtypes(
     # clip factors as one vector per accumulation dtype (float32 for
     # bfloat16 and complex64 leaves, float64 apart), each leaf's read back at
     # its own position; with axes=-1 the matrices' row norms stay per leaf.
+    # The three (7,) leaves of each dtype form a stack (under jit too: see
+    # `stack_under_jit`).
     rng = np.random.default_rng(5)
     scalar = () if axes is None else (1,)  # axes=-1 needs a dimension
     shapes = [scalar, (7,), (3, 5), (2, 3, 4), (_fused.SMALL_LEAF + 3,), (7,), (7,)]
@@ -369,6 +372,10 @@ def test_whole_leaf_norms_packed_across_shapes_and_dtypes(
                 if dtype == "complex64":
                     x = x * (0.6 - 0.8j)
                 tree[f"{dtype}_{i}"] = jnp.asarray(x, dtype)
+        leaves, leaf_axes = _flat_axes(tree, axes)
+        placed: list[tuple[str, ...]] = [()] * len(leaves)
+        stacks = _reduce._stacks(leaves, leaf_axes, placed, placed)
+        assert sorted(map(len, stacks)) == [3, 3, 3, 3]
         fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, axes)  # noqa: E731
         out, norms = (jax.jit(fn) if jit else fn)(tree)
         for key, x in tree.items():
