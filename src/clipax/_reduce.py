@@ -434,10 +434,11 @@ def _plain_sum(x: jax.Array, axes: tuple[int, ...], keep: bool) -> jax.Array:
     reduced dims kept where `keep`.
 
     A norm over a whole leaf is a scalar (or, for a stack, a vector), not an
-    array of size-1 dims: the scalar kernels that follow (roots, range
-    scales, clip factors) are then one kernel for leaves of every rank, which
-    XLA's CPU backend compiles once (10-20 % less compile on model-shaped
-    trees; benchmarks/RESULTS.md).
+    array of size-1 dims: the per-leaf scalar kernels that follow (the exact
+    pass's range scale, the reads out of a pack) are then one kernel for
+    leaves of every rank, which XLA's CPU backend compiles once (10-20 % less
+    compile on model-shaped trees, measured before packs took the roots and
+    clip factors; benchmarks/RESULTS.md).
     """
     squares = _common.powers(_fused.opaque_if_narrow(x), 2.0)
     return jnp.sum(squares, axis=axes, keepdims=keep)
@@ -590,16 +591,22 @@ def slice_norms(
             sliced.append(u)
     packs = list(by_key.values())
 
-    def packed(values: Sequence[jax.Array], pack: list[int]) -> jax.Array:
-        return _fused.concat([jnp.atleast_1d(values[u]) for u in pack])
+    def gathered(values: Sequence[jax.Array]) -> list[jax.Array]:
+        """Per-unit values as the packs' vectors, then the sliced units'."""
+        vectors = [
+            _fused.concat([jnp.atleast_1d(values[u]) for u in pack]) for pack in packs
+        ]
+        return vectors + [values[u] for u in sliced]
 
-    vectors = [packed(sums, pack) for pack in packs]
+    # The passes differ only in their sums; the roots (and `then`) follow the
+    # test, one kernel per pack or unit for either pass.
+    plain_sums = gathered(sums)
     # The range test reads every sum, concatenated per dtype, with one
     # reduction: a chain of one test per leaf compiled twice as slowly at 500
     # leaves.
     by_dtype: dict[Any, list[jax.Array]] = {}
     lone = []
-    for v in vectors + [sums[u] for u in sliced]:
+    for v in plain_sums:
         if _fused.can_concatenate(v):
             by_dtype.setdefault(v.dtype, []).append(jnp.ravel(v))
         else:
@@ -609,23 +616,17 @@ def slice_norms(
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
-    width = max(
-        [len(members[u]) for u in sliced] + [len(v) for v in vectors], default=0
-    )
+    widths = [len(v) for v in plain_sums[: len(packs)]]
+    width = max(widths + [len(members[u]) for u in sliced], default=0)
 
     def positions() -> tuple[jax.Array, ...]:
         return tuple(jnp.int32(j) for j in range(width))
-
-    # The passes differ only in their sums; the roots (and `then`) follow the
-    # test, one kernel per pack or unit for either pass.
-    plain_sums = vectors + [sums[u] for u in sliced]
 
     def exact() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         pairs = zip(units, axes, sums, keeps, strict=True)
         out = [_rescaled_sum(x, a, s, k) for x, a, s, k in pairs]
         totals = _collective(out, groups, jax.lax.psum, buckets)
-        totals = [packed(totals, pack) for pack in packs] + [totals[u] for u in sliced]
-        return totals, positions()
+        return gathered(totals), positions()
 
     def plain() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         return plain_sums, positions()
