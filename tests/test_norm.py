@@ -18,11 +18,18 @@ from clipax import _common, _fused, _reduce
 from tests import helpers
 
 
-def _ref_clip_by_norm(x: np.ndarray, max_norm: float, axes: object) -> np.ndarray:
-    x64 = np.asarray(x, np.float64)
-    norm = np.sqrt(np.sum(x64**2, axis=axes, keepdims=True))
+def _ref_clip_with_norms(
+    x: Any, max_norm: float, axes: object
+) -> tuple[np.ndarray, np.ndarray]:
+    """The clipped array (complex128) and its slice norms, in float64."""
+    x128 = np.asarray(x, np.complex128)
+    norm = np.sqrt(np.sum(np.abs(x128) ** 2, axis=axes, keepdims=True))
     scale = np.where(norm > max_norm, max_norm / np.where(norm > 0, norm, 1), 1.0)
-    return x64 * scale
+    return x128 * scale, norm
+
+
+def _ref_clip_by_norm(x: np.ndarray, max_norm: float, axes: object) -> np.ndarray:
+    return _ref_clip_with_norms(np.asarray(x, np.float64), max_norm, axes)[0].real
 
 
 @pytest.mark.parametrize(
@@ -333,12 +340,10 @@ def test_stacked_narrow_and_complex_leaves_in_the_exact_branch(
         lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, -1)
     )(tree)
     for key, x in tree.items():
-        x128 = np.asarray(x, np.complex128)
-        slice_norms = np.sqrt(np.sum(np.abs(x128) ** 2, axis=-1, keepdims=True))
-        scale = np.where(slice_norms > 2.0, 2.0 / np.maximum(slice_norms, 1e-300), 1)
+        want, slice_norms = _ref_clip_with_norms(x, 2.0, -1)
         assert out[key].dtype == dtype
         np.testing.assert_allclose(
-            np.asarray(out[key], np.complex128), x128 * scale, rtol=rtol, atol=1e-6
+            np.asarray(out[key], np.complex128), want, rtol=rtol, atol=1e-6
         )
         np.testing.assert_allclose(norms[key], np.max(slice_norms), rtol=rtol)
 
@@ -380,16 +385,13 @@ def test_whole_leaf_norms_packed_across_shapes_and_dtypes(
         out, norms = (jax.jit(fn) if jit else fn)(tree)
         for key, x in tree.items():
             dtype = key.split("_")[0]
-            x128 = np.asarray(x, np.complex128)
-            np_axes = None if axes is None else -1
-            slice_norms = np.sqrt(
-                np.sum(np.abs(x128) ** 2, axis=np_axes, keepdims=True)
+            want, slice_norms = _ref_clip_with_norms(
+                x, 2.0, None if axes is None else -1
             )
-            scale = np.where(slice_norms > 2.0, 2.0 / slice_norms, 1.0)
             assert out[key].dtype == x.dtype, key
             np.testing.assert_allclose(
                 np.asarray(out[key], np.complex128),
-                x128 * scale,
+                want,
                 rtol=_PACKED_RTOL[dtype],
                 atol=1e-300,
                 err_msg=key,
