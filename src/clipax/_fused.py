@@ -28,7 +28,7 @@ differs (within float32 rounding).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -79,6 +79,32 @@ def can_concatenate(x: Any) -> bool:
     return jax.device_count() == 1
 
 
+def small_chunks(
+    leaves: Sequence[Any], key: Callable[[int], Any]
+) -> tuple[list[list[int]], list[int]]:
+    """Small leaves that share `key(i)`, in chunks of 2 to `GROUP_LEAVES`.
+
+    Small: nonempty, at most `SMALL_LEAF` elements, and whole on every device
+    that holds it (`can_concatenate`). Returns the chunks and the small leaves
+    left alone in a chunk of one. Reductions of small leaves together and the
+    stacks of `_reduce.slice_norms` are both chunked here.
+    """
+    same: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if 0 < x.size <= SMALL_LEAF and can_concatenate(x):
+            same.setdefault(key(i), []).append(i)
+    chunks: list[list[int]] = []
+    single: list[int] = []
+    for members in same.values():
+        for start in range(0, len(members), GROUP_LEAVES):
+            chunk = members[start : start + GROUP_LEAVES]
+            if len(chunk) > 1:
+                chunks.append(chunk)
+            else:
+                single.extend(chunk)
+    return chunks, single
+
+
 def _plan(
     leaves: Sequence[Any],
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -92,31 +118,17 @@ def _plan(
     - Every other leaf is reduced alone.
     Zero-size leaves are in none of the lists: they add nothing to any norm.
     """
-    same: dict[tuple[np.dtype, int], list[int]] = {}
-    alone: list[int] = []
-    for i, x in enumerate(leaves):
-        size = int(np.prod(x.shape, dtype=np.int64))
-        if size == 0:
-            continue
-        if size <= SMALL_LEAF and can_concatenate(x):
-            same.setdefault((np.dtype(x.dtype), size), []).append(i)
-        else:
-            alone.append(i)
-    groups: list[list[int]] = []
-    rest: list[int] = []
-    for members in same.values():
-        for start in range(0, len(members), GROUP_LEAVES):
-            chunk = members[start : start + GROUP_LEAVES]
-            if len(chunk) > 1:
-                groups.append(chunk)
-            else:
-                rest.extend(chunk)
+    groups, rest = small_chunks(
+        leaves, lambda i: (np.dtype(leaves[i].dtype), leaves[i].size)
+    )
+    small = {i for chunk in groups for i in chunk} | set(rest)
+    alone = [i for i, x in enumerate(leaves) if x.size and i not in small]
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     buckets: list[list[int]] = []
     bucketed = 0
     for i in sorted(rest):
-        size = int(np.prod(leaves[i].shape, dtype=np.int64))
+        size = leaves[i].size
         if bucketed + size > MAX_BUCKETED:
             alone.append(i)
             continue

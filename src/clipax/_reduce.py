@@ -496,20 +496,19 @@ def _stacks(
     most `_fused.MAX_BUCKETED` elements are stacked in all (the stacks are
     copies).
     """
-    same: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        if 0 < x.size <= _fused.SMALL_LEAF and _fused.can_concatenate(x):
-            placed = (groups[i], buckets[i], _varying(x))
-            same.setdefault((x.shape, x.dtype, leaf_axes[i], placed), []).append(i)
+
+    def key(i: int) -> Any:
+        x = leaves[i]
+        placed = (groups[i], buckets[i], _varying(x))
+        return x.shape, x.dtype, leaf_axes[i], placed
+
     stacks: list[list[int]] = []
     stacked = 0
-    for members in same.values():
-        for start in range(0, len(members), _fused.GROUP_LEAVES):
-            chunk = members[start : start + _fused.GROUP_LEAVES]
-            size = len(chunk) * leaves[chunk[0]].size
-            if len(chunk) > 1 and stacked + size <= _fused.MAX_BUCKETED:
-                stacks.append(chunk)
-                stacked += size
+    for chunk in _fused.small_chunks(leaves, key)[0]:
+        size = len(chunk) * leaves[chunk[0]].size
+        if stacked + size <= _fused.MAX_BUCKETED:
+            stacks.append(chunk)
+            stacked += size
     return stacks
 
 
