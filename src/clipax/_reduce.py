@@ -602,7 +602,8 @@ def slice_norms(
     plain_sums = gathered(sums)
     # The range test reads every sum, concatenated per dtype, with one
     # reduction: a chain of one test per leaf compiled twice as slowly at 500
-    # leaves.
+    # leaves. Sums that may be split over devices (an explicit sharding) are
+    # tested alone: concatenating them would reshard them.
     by_dtype: dict[Any, list[jax.Array]] = {}
     lone = []
     for v in plain_sums:
