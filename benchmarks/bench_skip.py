@@ -55,21 +55,25 @@ STEPS = {
 
 
 def measure(
-    tree: Any, steps: dict[str, Any], quick: bool
+    tree: Any, steps: dict[str, Any], quick: bool, compiles: int = 2
 ) -> dict[str, tuple[float, float]]:
     """Median run seconds and least compile seconds of each of the two steps
-    (`steps` maps a name to a factory of the step's transformation), in the
-    order clipax's, the reference's, the reference's, clipax's."""
+    (`steps` maps a name to a factory of the step's transformation), from
+    `compiles` fresh compiles of each (1 when `quick`), in the order clipax's,
+    the reference's, the reference's, clipax's, and so on."""
     names = list(steps)
 
     def build(name: str) -> bench.Built:
         return bench.build(training_step(steps[name]()), tree)
 
     ours, theirs = build(names[0]), build(names[1])
-    if not quick:
-        theirs_2, ours_2 = build(names[1]), build(names[0])
-        ours = ours._replace(compile_s=min(ours.compile_s, ours_2.compile_s))
-        theirs = theirs._replace(compile_s=min(theirs.compile_s, theirs_2.compile_s))
+    for i in range(1, 1 if quick else compiles):
+        pair = (names[1], names[0]) if i % 2 else (names[0], names[1])
+        again = {name: build(name) for name in pair}
+        ours = ours._replace(compile_s=min(ours.compile_s, again[names[0]].compile_s))
+        theirs = theirs._replace(
+            compile_s=min(theirs.compile_s, again[names[1]].compile_s)
+        )
     reps = bench.repeats_for(bench.describe(tree)[2], quick)
     t_ours, t_theirs = bench.interleaved([ours.call, theirs.call], reps)
     return {

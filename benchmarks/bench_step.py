@@ -4,8 +4,8 @@ What a user feels: clipax's `clip_by_global_norm` against optax's in the same
 step, on model-shaped trees (random values, the models' parameter shapes).
 Run time and compile time are measured with `bench_clipping`'s harness: both
 steps in one process, called alternately (medians), compiles after
-`jax.clear_caches()` in the order clipax, optax, optax, clipax (the least of
-each pair counts). The step is `bench_skip.training_step`.
+`jax.clear_caches()` in the order clipax, optax, optax, clipax, ... (the least
+of `--compiles` each counts, default 2). The step is `bench_skip.training_step`.
 
     PYTHONPATH=src python benchmarks/bench_step.py            # every tree
     PYTHONPATH=src python benchmarks/bench_step.py --quick    # smoke run
@@ -56,6 +56,12 @@ def geomean(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument(
+        "--compiles",
+        type=int,
+        default=2,
+        help="fresh compiles per step; the least counts (default 2)",
+    )
     bench.add_trees_option(parser, STEP_TREES)
     args = parser.parse_args(argv)
     print(f"training step, clipax vs optax clip_by_global_norm: {bench.header()}")
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     runs, compiles = [], []
     for name, tree in tree_cases(args.quick, args.trees):
         leaves, count, _ = bench.describe(tree)
-        got = bench_skip.measure(tree, STEPS, args.quick)
+        got = bench_skip.measure(tree, STEPS, args.quick, args.compiles)
         (run_c, comp_c), (run_o, comp_o) = got["clipax"], got["optax"]
         runs.append(run_c / run_o)
         compiles.append(comp_c / comp_o)

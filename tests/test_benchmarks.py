@@ -95,6 +95,7 @@ def test_step_benchmark_quick_run_prints_its_row_and_the_geometric_mean() -> Non
 # The harness's own pieces, imported (the scripts' folder is not a package).
 sys.path.insert(0, str(SCRIPT.parent))
 import bench_clipping as bench  # noqa: E402
+import bench_skip  # noqa: E402
 import bench_step  # noqa: E402
 
 
@@ -148,3 +149,25 @@ def test_kernel_count_counts_each_leafs_kernels() -> None:
         return bench.kernel_count(scaled.lower(leaves).compile())
 
     assert 1 <= count(1) < count(4)
+
+
+@pytest.mark.parametrize("compiles", [1, 2, 3])
+def test_step_measure_takes_the_least_of_compiles_in_alternating_order(
+    monkeypatch, compiles
+) -> None:
+    seconds = [5.0, 4.0, 3.0, 6.0, 2.0, 7.0]  # handed out in build order
+    built: list[str] = []
+
+    def fake_build(name: str, tree) -> bench.Built:
+        built.append(name)
+        return bench.Built(lambda: None, seconds[len(built) - 1], 0, 0)
+
+    monkeypatch.setattr(bench_skip.bench, "build", fake_build)
+    monkeypatch.setattr(bench_skip, "training_step", lambda name: name)
+    steps = {"ours": lambda: "ours", "theirs": lambda: "theirs"}
+    got = bench_skip.measure(jnp.zeros(4), steps, False, compiles)
+    order = ["ours", "theirs", "theirs", "ours", "ours", "theirs"][: 2 * compiles]
+    assert built == order
+    pairs = list(zip(order, seconds[: len(order)], strict=True))
+    least = {n: min(s for b, s in pairs if b == n) for n in steps}
+    assert {name: compile_s for name, (_, compile_s) in got.items()} == least
