@@ -321,6 +321,24 @@ def build(tx: optax.GradientTransformation, tree: Tree) -> Built:
     return Built(lambda: compiled(tree, state), compile_s, peak, kernels)
 
 
+def build_pair(
+    make_ours: Callable[[], optax.GradientTransformation],
+    make_theirs: Callable[[], optax.GradientTransformation],
+    tree: Tree,
+    compiles: int,
+) -> tuple[Built, Built]:
+    """`compiles` fresh builds of each side, in the order ours, theirs, theirs,
+    ours, ...; each side keeps its first build's call and its least compile."""
+    builds: tuple[list[Built], list[Built]] = ([], [])
+    for i in range(compiles):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            builds[side].append(build((make_ours, make_theirs)[side](), tree))
+    ours, theirs = (
+        b[0]._replace(compile_s=min(x.compile_s for x in b)) for b in builds
+    )
+    return ours, theirs
+
+
 def interleaved(calls: list[Callable[[], Any]], repeats: int) -> list[float]:
     """Median seconds of each call, the calls taken in turn, order alternating."""
     times: list[list[float]] = [[] for _ in calls]
@@ -368,13 +386,8 @@ def bench_tree(name: str, tree: Tree, quick: bool, compiles: int = 2) -> list[Ro
     read, write = floor_calls(tree)
     rows = []
     for op, (make_clipax, make_optax) in OPS.items():
-        # Pairs in the order clipax, optax, optax, clipax, ...; the least counts.
-        builds: tuple[list[Built], list[Built]] = ([], [])
-        for i in range(1 if quick else compiles):
-            for side in (0, 1) if i % 2 == 0 else (1, 0):
-                builds[side].append(build((make_clipax, make_optax)[side](), tree))
-        ours, theirs = (
-            b[0]._replace(compile_s=min(x.compile_s for x in b)) for b in builds
+        ours, theirs = build_pair(
+            make_clipax, make_optax, tree, 1 if quick else compiles
         )
         t_ours, t_theirs, t_read, t_write = interleaved(
             [ours.call, theirs.call, read, write], reps

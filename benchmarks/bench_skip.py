@@ -62,18 +62,12 @@ def measure(
     `compiles` fresh compiles of each (1 when `quick`), in the order clipax's,
     the reference's, the reference's, clipax's, and so on."""
     names = list(steps)
-
-    def build(name: str) -> bench.Built:
-        return bench.build(training_step(steps[name]()), tree)
-
-    ours, theirs = build(names[0]), build(names[1])
-    for i in range(1, 1 if quick else compiles):
-        pair = (names[1], names[0]) if i % 2 else (names[0], names[1])
-        again = {name: build(name) for name in pair}
-        ours = ours._replace(compile_s=min(ours.compile_s, again[names[0]].compile_s))
-        theirs = theirs._replace(
-            compile_s=min(theirs.compile_s, again[names[1]].compile_s)
-        )
+    ours, theirs = bench.build_pair(
+        lambda: training_step(steps[names[0]]()),
+        lambda: training_step(steps[names[1]]()),
+        tree,
+        1 if quick else compiles,
+    )
     reps = bench.repeats_for(bench.describe(tree)[2], quick)
     t_ours, t_theirs = bench.interleaved([ours.call, theirs.call], reps)
     return {
