@@ -413,3 +413,32 @@ def test_whole_leaf_roots_and_clip_factors_are_one_kernel_per_pack() -> None:
     assert len(re.findall(r"= f32\[8\]\S* sqrt\(", hlo)) == 1
     assert not re.search(r"= f32\[\] (?:sqrt|divide)\(", hlo)
     assert "dynamic-slice" in hlo
+
+
+def _leaf_writing_kernels(hlo: str, shape: str) -> list[str]:
+    """The bodies of the fused computations whose result has `shape`."""
+    head = r"\n(%\S+ \([^\n]*\) -> " + re.escape(shape) + r" \{.*?\n\})"
+    return re.findall(head, hlo, re.S)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [clipax.clip_by_norm(1.0), clipax.clip_by_global_norm(1.0)],
+    ids=["clip_by_norm", "clip_by_global_norm"],
+)
+def test_each_leaf_is_scaled_by_a_finished_clip_factor(
+    transform: optax.GradientTransformation,
+) -> None:
+    # The clip factor's rules (over the threshold, NaN for a non-finite norm)
+    # are settled in the kernel that divides; each leaf's scaling kernel only
+    # reads its factor and multiplies. Selects after the divide would be fused
+    # into every leaf's kernel and redone there (benchmarks/RESULTS.md).
+    tree = [jnp.ones(_fused.SMALL_LEAF + k) for k in range(3)]
+    hlo = jax.jit(transform.update).lower(tree, transform.init(tree)).compile()
+    for k in range(3):
+        shape = f"f32[{_fused.SMALL_LEAF + k}]"
+        bodies = _leaf_writing_kernels(hlo.as_text(), shape)
+        assert bodies, shape
+        for body in bodies:
+            assert " multiply(" in body
+            assert not re.search(r" (?:select|compare|is-finite)\(", body), body
