@@ -208,7 +208,7 @@ def _trust_floor(dtype: np.dtype) -> float:
 
 def _untrusted(total: jax.Array) -> jax.Array:
     """Where a sum of powers is inf or below `_trust_floor` (0 included)."""
-    return jnp.isposinf(total) | (total < _trust_floor(total.dtype))
+    return (total == np.inf) | (total < _trust_floor(total.dtype))
 
 
 def _exponent_bound(dtype: np.dtype) -> int:
