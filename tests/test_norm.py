@@ -442,3 +442,42 @@ def test_each_leaf_is_scaled_by_a_finished_clip_factor(
         for body in bodies:
             assert " multiply(" in body
             assert not re.search(r" (?:select|compare|is-finite)\(", body), body
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-25])
+@pytest.mark.parametrize(
+    "clip",
+    [
+        lambda t: clipax.tree.clip_by_norm(t, 1.0),
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, axes=-1),
+        lambda t: clipax.clip_by_block_rms(1.0).update(t, optax.EmptyState())[0],
+    ],
+    ids=["clip_by_norm", "axes=-1", "block_rms"],
+)
+def test_leaves_xla_sees_as_constants_take_the_exact_pass_without_nan(
+    value: float, clip: Any
+) -> None:
+    # Zeros from `optax.set_to_zero` (a frozen layer) or an array closed over
+    # by the jitted function are constants to XLA: it rewrote the exact pass's
+    # (x scale)**2 as x**2 scale**2, and 0 * 2**160 = NaN.
+    grads = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    made = jax.jit(lambda g: clip(jax.tree.map(lambda x: jnp.full_like(x, value), g)))
+    closed = jax.jit(lambda: clip({"c": jnp.full((2, 3), value, jnp.float32)}))
+    for out in (made(grads), closed()):
+        for leaf in jax.tree.leaves(out):
+            np.testing.assert_array_equal(leaf, np.full(leaf.shape, value, np.float32))
+
+
+def test_a_frozen_leaf_before_clip_by_norm_stays_zero_under_jit() -> None:
+    grads = {"train": jnp.ones(3), "frozen": jnp.ones((2, 2))}
+    labels = {"train": "t", "frozen": "f"}
+    tx = optax.chain(
+        optax.multi_transform(
+            {"t": optax.identity(), "f": optax.set_to_zero()}, labels
+        ),
+        clipax.clip_by_norm(1.0),
+    )
+    out, state = jax.jit(tx.update)(grads, tx.init(grads))
+    np.testing.assert_array_equal(out["frozen"], np.zeros((2, 2)))
+    np.testing.assert_allclose(out["train"], np.full(3, 3**-0.5), rtol=1e-6)
+    assert float(optax.tree.get(state, "norms")["frozen"]) == 0.0
