@@ -262,3 +262,53 @@ def test_sharded_arrays_give_the_same_numbers_without_resharding():
         assert got[name].sharding.is_equivalent_to(
             sharded_grads[name].sharding, got[name].ndim
         )
+
+
+def _exact_passes(monkeypatch):
+    """Counts the leaves summed by the engine's exact pass (eagerly, the host
+    picks the branch, so only a taken pass is counted)."""
+    from clipax import _reduce
+
+    calls = []
+    rescaled = _reduce._rescaled_sum
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return rescaled(*args)
+
+    monkeypatch.setattr(_reduce, "_rescaled_sum", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("clipping", "eps", "exact"),
+    [(0.01, 1e-3, False), (2.0, 1e-3, False), (0.01, 0.0, True), (1e-12, 1e-3, True)],
+)
+def test_zero_parameters_skip_the_exact_pass_where_eps_makes_it_moot(
+    monkeypatch, clipping, eps, exact
+):
+    # Every unit of the tree is measured in one engine call, so one zero
+    # parameter (a bias) would send every leaf through the exact pass on every
+    # step. Below min(1, clipping) * eps no norm needs to be exact (a
+    # parameter norm counts as eps, an update norm is below its limit), so
+    # such trees take the plain pass; with eps = 0, or where that bound is
+    # within reach of underflow (1e-15), they cannot.
+    params, grads = make([(3,), (4, 5), (2, 3, 4)])
+    grads["p0"] = np.full(3, 1e-25, np.float32)  # squares underflow too
+    calls = _exact_passes(monkeypatch)
+    tx = clipax.adaptive_grad_clip(clipping, eps=eps)
+    out, _ = tx.update(grads, tx.init(params), params)
+    assert bool(calls) == exact
+    want, _ = optax.adaptive_grad_clip(clipping, eps=eps).update(
+        jax.tree.map(lambda x: np.asarray(x, np.float64), grads),
+        optax.EmptyState(),
+        jax.tree.map(lambda x: np.asarray(x, np.float64), params),
+    )
+    traced = jax.jit(
+        lambda g, c, e: clipax.adaptive_grad_clip(c, eps=e).update(
+            g, optax.EmptyState(), params
+        )[0]
+    )(grads, jnp.float32(clipping), jnp.float32(eps))
+    for key in grads:
+        np.testing.assert_allclose(out[key], want[key], rtol=2e-6, err_msg=key)
+        np.testing.assert_allclose(traced[key], want[key], rtol=2e-6, err_msg=key)

@@ -481,3 +481,32 @@ def test_a_frozen_leaf_before_clip_by_norm_stays_zero_under_jit() -> None:
     np.testing.assert_array_equal(out["frozen"], np.zeros((2, 2)))
     np.testing.assert_allclose(out["train"], np.full(3, 3**-0.5), rtol=1e-6)
     assert float(optax.tree.get(state, "norms")["frozen"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("floor", "exact"), [(0.0, True), (6.5e-10, True), (6.6e-10, False), (1e-3, False)]
+)
+def test_a_floor_spares_zero_slices_the_exact_pass(
+    monkeypatch: pytest.MonkeyPatch, floor: float, exact: bool
+) -> None:
+    # Norms below `floor` need not be exact: from 2 sqrt(_trust_floor) (6.58e-10
+    # in float32) up, sums that underflowed are below it whatever was lost, and
+    # an all-zero slice no longer sends the tree through the exact pass.
+    calls = []
+    rescaled = _reduce._rescaled_sum
+    monkeypatch.setattr(
+        _reduce, "_rescaled_sum", lambda *a: calls.append(a) or rescaled(*a)
+    )
+    leaves = [jnp.zeros(3), jnp.array([3.0, 4.0]), jnp.full((2, 2), 1e-30)]
+    axes = [(0,), (0,), (1,)]
+    norms = _reduce.slice_norms(leaves, axes, floor=floor)
+    assert bool(calls) == exact
+    traced = jax.jit(lambda f: _reduce.slice_norms(leaves, axes, floor=f))(floor)
+    want = [0.0, 5.0, np.full((2, 1), np.sqrt(2) * 1e-30)]
+    for got in (norms, traced):
+        np.testing.assert_allclose(got[0], want[0])
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+        if exact:
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+        else:  # the plain sums (here 0) are kept: below the floor either way
+            assert np.all(np.asarray(got[2]) < floor)

@@ -298,7 +298,10 @@ def stateless(
     return optax.GradientTransformation(init_fn, optax.stateless(clip).update)
 
 
-def unit_norms(leaves: list[jax.Array], axes: list[tuple[int, ...]]) -> list[jax.Array]:
+def unit_norms(
+    leaves: list[jax.Array], axes: list[tuple[int, ...]], floor: Any = 0.0
+) -> list[jax.Array]:
     """Each leaf's exact L2 norms over its `axes` (kept as size-1 dims), in
-    float32 or wider, from the engine."""
-    return _reduce.slice_norms(leaves, axes) if leaves else []
+    float32 or wider, from the engine; exact only above `floor` where given
+    (`_reduce.slice_norms`)."""
+    return _reduce.slice_norms(leaves, axes, floor=floor) if leaves else []

@@ -67,11 +67,29 @@ def _clip_unit(
     # An infinite `clipping` allows every norm, also against a zero parameter
     # norm with eps = 0, where inf * 0 is NaN.
     limit = jnp.where(jnp.isposinf(ratio_bound), jnp.inf, limit)
-    # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN.
-    ratio = jnp.maximum(limit, 0) / jnp.maximum(g_norm, DIV_EPS)
-    scale = jnp.where(g_norm < limit, 1, ratio)
-    scale = jnp.where(jnp.isfinite(g_norm), scale, jnp.nan)
-    return _common.apply_scale(g, scale.astype(g_norm.dtype))
+    # A traced `clipping` <= 0 gives zeros, never flipped signs or NaN. The
+    # rules are in the quotient's operands, as in `_common.clip_scale`, so
+    # that the factors are finished before the multiply reads them.
+    keep = g_norm < limit
+    one = jnp.ones_like(g_norm)
+    numerator = jnp.where(keep, one, jnp.maximum(limit, 0))
+    numerator = jnp.where(jnp.isfinite(g_norm), numerator, jnp.nan)
+    denominator = jnp.where(keep, one, jnp.maximum(g_norm, DIV_EPS))
+    return _common.apply_scale(g, (numerator / denominator).astype(g_norm.dtype))
+
+
+def _floor(clipping: Any, eps: Any) -> Any:
+    """A norm below which no unit's norm needs to be exact: min(1, clipping)
+    eps (0 for clipping <= 0).
+
+    A parameter norm below it is below `eps` and so counts as `eps`; an update
+    norm below it is below its unit's limit, clipping max(|w|, eps), and is
+    kept as it is. Traced where `clipping` or `eps` is.
+    """
+    if _common.is_traced(clipping) or _common.is_traced(eps):
+        ratio = jnp.clip(jnp.asarray(clipping, jnp.float32), 0, 1)
+        return ratio * jnp.asarray(eps, jnp.float32)
+    return min(max(float(clipping), 0.0), 1.0) * float(eps)
 
 
 def _check_eps(eps: Any) -> None:
@@ -155,7 +173,9 @@ def adaptive_grad_clip(
         updates, params = _common.as_arrays(updates), _common.as_arrays(params)
         _common.check_norm_leaves(updates, "adaptive_grad_clip")
 
-        def clip_leaf(path: _common.KeyPath, g: Any, w: Any) -> Any:
+        units: list[tuple[jax.Array, jax.Array, tuple[int, ...]]] = []
+
+        def take_leaf(path: _common.KeyPath, g: Any, w: Any) -> Any:
             if _is_empty(g):
                 return g
             if getattr(w, "shape", None) != g.shape:
@@ -165,14 +185,32 @@ def adaptive_grad_clip(
                     f"{getattr(w, 'shape', w)!r}."
                 )
             _common.check_norm_leaf(path, w, "adaptive_grad_clip")
-            reduce = unit_axes(axes, path, g.shape)
-            g_norm, w_norm = _adaptive.unit_norms(
-                [jnp.asarray(g), jnp.asarray(w)], [reduce, reduce]
+            units.append(
+                (jnp.asarray(g), jnp.asarray(w), unit_axes(axes, path, g.shape))
             )
-            return _clip_unit(g, g_norm, w_norm.astype(g_norm.dtype), clipping, eps)
+            return g
 
-        return jax.tree_util.tree_map_with_path(
-            clip_leaf, updates, params, is_leaf=_is_empty
+        jax.tree_util.tree_map_with_path(take_leaf, updates, params, is_leaf=_is_empty)
+        gs = [g for g, _, _ in units]
+        ws = [w for _, w, _ in units]
+        reduces = [r for _, _, r in units]
+        # One call for every unit of the tree, updates and parameters: one
+        # range test and one `lax.cond`, where a call per leaf compiled 1.3-2.3
+        # x slower (benchmarks/RESULTS.md). Norms below `_floor` need not be
+        # exact, so zero parameters (biases) do not send the tree through the
+        # exact pass on every step.
+        floor = _floor(clipping, eps)
+        norms = _adaptive.unit_norms(gs + ws, reduces + reduces, floor)
+        clipped = iter(
+            [
+                _clip_unit(g, gn, wn.astype(gn.dtype), clipping, eps)
+                for g, gn, wn in zip(
+                    gs, norms[: len(gs)], norms[len(gs) :], strict=True
+                )
+            ]
+        )
+        return jax.tree.map(
+            lambda g: g if _is_empty(g) else next(clipped), updates, is_leaf=_is_empty
         )
 
     def check_leaf(path: _common.KeyPath, leaf: Any) -> None:

@@ -206,9 +206,20 @@ def _trust_floor(dtype: np.dtype) -> float:
     return float(np.sqrt(np.finfo(dtype).tiny))
 
 
-def _untrusted(total: jax.Array) -> jax.Array:
-    """Where a sum of powers is inf or below `_trust_floor` (0 included)."""
-    return (total == np.inf) | (total < _trust_floor(total.dtype))
+def _untrusted(total: jax.Array, floor: Any = 0.0) -> jax.Array:
+    """Where a sum of powers is inf or below `_trust_floor` (0 included).
+
+    `floor` (a norm, maybe traced) says that norms below it need not be exact.
+    Where it is at least 2 sqrt(`_trust_floor`) (6.6e-10 in float32), sums
+    below `_trust_floor` pass: their norms are below `floor` whether exact or
+    not (each term lost to underflow is below the smallest normal float, so
+    fewer than 2**60 of them add less than `_trust_floor` / 4).
+    """
+    limit = _trust_floor(total.dtype)
+    low = total < limit
+    if not (isinstance(floor, (int, float)) and floor == 0):
+        low = low & ~(jnp.asarray(floor, total.dtype) >= 2 * math.sqrt(limit))
+    return (total == np.inf) | low
 
 
 def _exponent_bound(dtype: np.dtype) -> int:
@@ -544,11 +555,13 @@ def slice_norms(
     leaf_axes: list[tuple[int, ...]],
     placements: list[list[MeshAxes]] | None = None,
     then: Callable[[jax.Array], Any] | None = None,
+    floor: Any = 0.0,
 ) -> list[Any]:
     """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims; a scalar
     where `leaf_axes` are all of the leaf's dims); with
     `then`, `then(norms)` for each leaf (a pytree of arrays; `then` works
-    element by element).
+    element by element). With `floor`, where the caller needs no exact norm
+    below it (see `_untrusted`): an all-zero slice then takes the plain pass.
 
     Exact for every finite input. The fast pass is the bare formula's one
     float32 sum of squares per slice. One scalar test over the whole tree,
@@ -633,7 +646,7 @@ def slice_norms(
         else:
             lone.append(v)
     tested = [_fused.concat(parts) for parts in by_dtype.values()] + lone
-    flags = [jnp.any(_untrusted(v)) for v in tested]
+    flags = [jnp.any(_untrusted(v, floor)) for v in tested]
     untrusted = functools.reduce(jnp.logical_or, flags)
     if placements is not None:
         untrusted = _pmax_everywhere(untrusted.astype(jnp.int32), buckets) > 0
