@@ -258,3 +258,22 @@ def equations(jaxpr: Any, inside: str = "") -> Any:
                 if hasattr(inner, "eqns"):
                     kind = name if name in ("cond", "while") else ""
                     yield from equations(inner, inside or kind)
+
+
+def count_exact_passes(monkeypatch: Any) -> list[Any]:
+    """A list that records each unit the engine's per-slice exact pass sums.
+
+    Eagerly the host picks the branch, so only a pass that is taken is
+    recorded; under `jax.jit` both branches are traced, so use it eagerly.
+    """
+    from clipax import _reduce
+
+    calls: list[Any] = []
+    rescaled = _reduce._rescaled_sum
+
+    def counted(*args: Any) -> Any:
+        calls.append(args[0].shape)
+        return rescaled(*args)
+
+    monkeypatch.setattr(_reduce, "_rescaled_sum", counted)
+    return calls

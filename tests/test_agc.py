@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import clipax
-from tests.helpers import assert_compiles_once, shard_rows
+from tests.helpers import assert_compiles_once, count_exact_passes, shard_rows
 
 SHAPES = [(), (5,), (1, 5), (5, 1), (3, 4), (1, 1, 6), (2, 3, 4), (3, 3, 2, 4)]
 SHAPES += [(2, 2, 2, 3, 4), (0, 3)]
@@ -264,22 +264,6 @@ def test_sharded_arrays_give_the_same_numbers_without_resharding():
         )
 
 
-def _exact_passes(monkeypatch):
-    """Counts the leaves summed by the engine's exact pass (eagerly, the host
-    picks the branch, so only a taken pass is counted)."""
-    from clipax import _reduce
-
-    calls = []
-    rescaled = _reduce._rescaled_sum
-
-    def counted(*args):
-        calls.append(args[0].shape)
-        return rescaled(*args)
-
-    monkeypatch.setattr(_reduce, "_rescaled_sum", counted)
-    return calls
-
-
 @pytest.mark.parametrize(
     ("clipping", "eps", "exact"),
     [(0.01, 1e-3, False), (2.0, 1e-3, False), (0.01, 0.0, True), (1e-12, 1e-3, True)],
@@ -295,7 +279,7 @@ def test_zero_parameters_skip_the_exact_pass_where_eps_makes_it_moot(
     # within reach of underflow (1e-15), they cannot.
     params, grads = make([(3,), (4, 5), (2, 3, 4)])
     grads["p0"] = np.full(3, 1e-25, np.float32)  # squares underflow too
-    calls = _exact_passes(monkeypatch)
+    calls = count_exact_passes(monkeypatch)
     tx = clipax.adaptive_grad_clip(clipping, eps=eps)
     out, _ = tx.update(grads, tx.init(params), params)
     assert bool(calls) == exact
@@ -312,3 +296,6 @@ def test_zero_parameters_skip_the_exact_pass_where_eps_makes_it_moot(
     for key in grads:
         np.testing.assert_allclose(out[key], want[key], rtol=2e-6, err_msg=key)
         np.testing.assert_allclose(traced[key], want[key], rtol=2e-6, err_msg=key)
+    # The floor of a traced clipping and eps is the same bound.
+    floor = jax.jit(clipax._agc._floor)(jnp.float32(clipping), jnp.float32(eps))
+    np.testing.assert_allclose(floor, min(clipping, 1.0) * eps, rtol=1e-6)

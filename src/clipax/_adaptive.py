@@ -302,6 +302,6 @@ def unit_norms(
     leaves: list[jax.Array], axes: list[tuple[int, ...]], floor: Any = 0.0
 ) -> list[jax.Array]:
     """Each leaf's exact L2 norms over its `axes` (kept as size-1 dims), in
-    float32 or wider, from the engine; exact only above `floor` where given
-    (`_reduce.slice_norms`)."""
+    float32 or wider, from the engine; where `floor` is given, a norm below it
+    may be any value from 0 to `floor` (`_reduce.slice_norms`)."""
     return _reduce.slice_norms(leaves, axes, floor=floor) if leaves else []

@@ -173,11 +173,12 @@ def adaptive_grad_clip(
         updates, params = _common.as_arrays(updates), _common.as_arrays(params)
         _common.check_norm_leaves(updates, "adaptive_grad_clip")
 
-        units: list[tuple[jax.Array, jax.Array, tuple[int, ...]]] = []
-
-        def take_leaf(path: _common.KeyPath, g: Any, w: Any) -> Any:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_empty)
+        weights = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+        units, reduces = [], []  # nonempty update leaves: index, unit axes
+        for i, ((path, g), w) in enumerate(zip(flat, weights, strict=True)):
             if _is_empty(g):
-                return g
+                continue
             if getattr(w, "shape", None) != g.shape:
                 raise ValueError(
                     f"`adaptive_grad_clip` needs a parameter of the update's shape "
@@ -185,33 +186,21 @@ def adaptive_grad_clip(
                     f"{getattr(w, 'shape', w)!r}."
                 )
             _common.check_norm_leaf(path, w, "adaptive_grad_clip")
-            units.append(
-                (jnp.asarray(g), jnp.asarray(w), unit_axes(axes, path, g.shape))
-            )
-            return g
-
-        jax.tree_util.tree_map_with_path(take_leaf, updates, params, is_leaf=_is_empty)
-        gs = [g for g, _, _ in units]
-        ws = [w for _, w, _ in units]
-        reduces = [r for _, _, r in units]
+            reduces.append(unit_axes(axes, path, g.shape))
+            units.append(i)
+        gs = [jnp.asarray(flat[i][1]) for i in units]
+        ws = [jnp.asarray(weights[i]) for i in units]
         # One call for every unit of the tree, updates and parameters: one
         # range test and one `lax.cond`, where a call per leaf compiled 1.3-2.3
         # x slower (benchmarks/RESULTS.md). Norms below `_floor` need not be
         # exact, so zero parameters (biases) do not send the tree through the
         # exact pass on every step.
-        floor = _floor(clipping, eps)
-        norms = _adaptive.unit_norms(gs + ws, reduces + reduces, floor)
-        clipped = iter(
-            [
-                _clip_unit(g, gn, wn.astype(gn.dtype), clipping, eps)
-                for g, gn, wn in zip(
-                    gs, norms[: len(gs)], norms[len(gs) :], strict=True
-                )
-            ]
-        )
-        return jax.tree.map(
-            lambda g: g if _is_empty(g) else next(clipped), updates, is_leaf=_is_empty
-        )
+        norms = _adaptive.unit_norms(gs + ws, reduces + reduces, _floor(clipping, eps))
+        out = [g for _, g in flat]
+        pairs = zip(units, gs, norms[: len(gs)], norms[len(gs) :], strict=True)
+        for i, g, g_norm, w_norm in pairs:
+            out[i] = _clip_unit(g, g_norm, w_norm.astype(g_norm.dtype), clipping, eps)
+        return jax.tree.unflatten(treedef, out)
 
     def check_leaf(path: _common.KeyPath, leaf: Any) -> None:
         unit_axes(axes, path, leaf.shape)

@@ -182,10 +182,12 @@ def opaque_if_narrow(x: jax.Array) -> jax.Array:
 def scaled_pair(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(x, scale)` through one barrier, for a pass that rescales `x`.
 
-    The pass must multiply by the `scale` returned here: that ties its upcast
+    The pass must multiply by the `scale` returned here. That ties its upcast
     of `x` to this barrier, so that XLA neither merges it with another pass's
     upcast of the same leaf nor hoists it, either of which writes the leaf out
-    in float32.
+    in float32. And for every dtype: where XLA sees `x` as a constant (zeros
+    from `optax.set_to_zero`, a closed-over array), it rewrites (x scale)**2
+    as x**2 scale**2, and a scale of 2**80 squares to inf: 0 * inf = NaN.
     """
     pair: tuple[jax.Array, jax.Array] = jax.lax.optimization_barrier(
         (x, jnp.asarray(scale))
@@ -215,7 +217,8 @@ def partial_sums(
         if scale is None:
             return opaque_if_narrow(leaves[i])
         # A barrier of its own, so that XLA does not merge this pass's upcast
-        # with another pass's over the same leaf (see opaque_if_narrow).
+        # with another pass's over the same leaf (see opaque_if_narrow), nor
+        # fold a constant leaf's square with the scale's (see scaled_pair).
         # Every leaf is scaled and summed in `dtype` (complex leaves in its
         # complex type): in a float64 tree a float32 leaf's sum cannot
         # overflow where the scale was chosen for float64's range.

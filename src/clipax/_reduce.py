@@ -216,9 +216,12 @@ def _untrusted(total: jax.Array, floor: Any = 0.0) -> jax.Array:
     fewer than 2**60 of them add less than `_trust_floor` / 4).
     """
     limit = _trust_floor(total.dtype)
+    honoured = 2 * math.sqrt(limit)
     low = total < limit
-    if not (isinstance(floor, (int, float)) and floor == 0):
-        low = low & ~(jnp.asarray(floor, total.dtype) >= 2 * math.sqrt(limit))
+    if _common.is_traced(floor):
+        low = low & ~(jnp.asarray(floor, total.dtype) >= honoured)
+    elif floor >= honoured:
+        low = jnp.zeros_like(low)
     return (total == np.inf) | low
 
 
@@ -501,11 +504,16 @@ def _rescaled_sum(
 
 
 @jax.jit
-def _root(total: jax.Array, sums: jax.Array) -> jax.Array:
+def _root(total: jax.Array, sums: jax.Array, rescaled: Any) -> jax.Array:
     """The norm from the sum of |x scale|**2 that the range test chose, either
-    pass's: `scale` is `_range_scale` of the plain `sums`, which is 1 wherever
-    the plain pass is taken, so both passes share one root after the test."""
-    return _common.safe_root(total, 2.0) / _range_scale(sums)
+    pass's, so both passes share one root after the test: `scale` is
+    `_range_scale` of the plain `sums`, which is 1 wherever the plain pass is
+    taken. With a `floor`, a plain sum below it may be one that the exact pass
+    would scale: then `rescaled` says which pass was taken (None without)."""
+    scale = _range_scale(sums)
+    if rescaled is not None:
+        scale = jax.lax.select(rescaled, scale, jnp.ones_like(sums))
+    return _common.safe_root(total, 2.0) / scale
 
 
 def _stacks(
@@ -560,8 +568,9 @@ def slice_norms(
     """Each leaf's L2 norm over its `leaf_axes` (kept as size-1 dims; a scalar
     where `leaf_axes` are all of the leaf's dims); with
     `then`, `then(norms)` for each leaf (a pytree of arrays; `then` works
-    element by element). With `floor`, where the caller needs no exact norm
-    below it (see `_untrusted`): an all-zero slice then takes the plain pass.
+    element by element). With `floor`, the caller needs no exact norm below it
+    (see `_untrusted`): an all-zero slice then takes the plain pass, and a
+    norm below `floor` may come out as any value from 0 to `floor`.
 
     Exact for every finite input. The fast pass is the bare formula's one
     float32 sum of squares per slice. One scalar test over the whole tree,
@@ -666,7 +675,8 @@ def slice_norms(
         return plain_sums, positions()
 
     totals, position = _branch(untrusted, exact, plain)
-    norms = [_root(t, s) for t, s in zip(totals, plain_sums, strict=True)]
+    rescaled = untrusted if _common.is_traced(floor) or floor != 0 else None
+    norms = [_root(t, s, rescaled) for t, s in zip(totals, plain_sums, strict=True)]
     results = [n if then is None else then(n) for n in norms]
 
     def read(result: Any, j: int) -> Any:
