@@ -127,6 +127,17 @@ def test_combined_norm_near_the_largest_float(jit):
     np.testing.assert_allclose(got, np.sqrt(np.sum(small**2)), rtol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_combined_norm_of_norms_xla_sees_as_constants(scale):
+    # Closed over by the jitted function, the norms are constants to XLA,
+    # which rewrote (n s)**2 as n**2 s**2: s = 2**100 squares to inf, and
+    # 1e-60, flushed to 0, times inf is NaN.
+    norms = np.array([[1.0, 2.0], [2.0, 2.0]]) * scale
+    got = jax.jit(lambda: _adaptive.combined_norm(jnp.asarray(norms, jnp.float32)))()
+    want = np.sqrt(np.sum(norms.astype(np.float64) ** 2, axis=0))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_combined_norm_of_nan_and_inf():
     f = _adaptive.combined_norm
     assert math.isnan(f(jnp.array([1.0, math.nan, math.inf])))

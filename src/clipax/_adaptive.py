@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _common, _reduce
+from clipax import _common, _fused, _reduce
 
 Stats = dict[str, jax.Array]
 Rule = Callable[[Stats, jax.Array, jax.Array], tuple[jax.Array, Stats]]
@@ -129,7 +129,10 @@ def combined_norm(norms: jax.Array) -> jax.Array:
     peak = jnp.max(norms, axis=0)
     usable = jnp.isfinite(peak) & (peak > 0)
     inverse = _reduce.power_of_two_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
-    total = jnp.sqrt(jnp.sum(jnp.square(norms * inverse), axis=0)) / inverse
+    # Through the engine's barrier (`_fused.scaled_pair`): where XLA sees the
+    # norms as constants it rewrote (n s)**2 as n**2 s**2, which overflows.
+    scaled, factor = _fused.scaled_pair(norms, inverse)
+    total = jnp.sqrt(jnp.sum(jnp.square(scaled * factor), axis=0)) / inverse
     return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
 
 
