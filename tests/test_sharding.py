@@ -214,9 +214,9 @@ def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
     )
     counts: dict[str, int] = {}
     _collectives(jax.make_jaxpr(fn)(_shard(mesh, host)).jaxpr, counts)
-    assert counts == {"while psum": 3}, counts
-    # (The one pass is the body of a loop that runs it again, rescaled, only
-    # on overflow or underflow: the same three collectives serve both.)
+    assert counts == {"psum": 3, "cond psum": 3}, counts
+    # (The plain pass takes one psum per axis set, and so does the rescaled
+    # pass, in the branch taken only on overflow or underflow.)
 
     per_leaf = jax.shard_map(
         lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=SPECS),

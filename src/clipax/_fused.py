@@ -201,30 +201,33 @@ def partial_sums(
     """A vector whose sum (max for p = inf) is the tree's sum of |x|**p.
 
     Each entry is the sum of |x|**p (max |x| for p = inf) over one group or
-    bucket of small leaves, or over one large leaf, accumulated in float32 or
-    wider as `_common.power_sum` does, and cast to `dtype`. The vector has at
-    least one entry (0 when there are no elements).
+    bucket of small leaves, or over one large leaf, accumulated in `dtype`
+    (the tree's accumulation dtype, float32 or wider; complex leaves in its
+    complex type). The vector has at least one entry (0 when there are no
+    elements). Every leaf is summed in `dtype`: in a float64 tree, a float32
+    leaf's squares neither overflow nor underflow where float64's do not, so
+    that a second pass can choose its scale from the first's sum.
 
-    With `scale` (a scalar), every element is first upcast to `dtype` (the
-    tree's accumulation dtype) and multiplied by it: the sums of
-    |x * scale|**p, as a pass that may rescale against overflow or underflow
+    With `scale` (a scalar), every element is also multiplied by it: the sums
+    of |x * scale|**p, as a pass that rescales against overflow or underflow
     needs.
     """
     leaves = [jnp.asarray(x) for x in leaves]
     groups, buckets, alone = _plan(leaves)
 
     def prepared(i: int) -> jax.Array:
+        wide = jnp.result_type(leaves[i].dtype, dtype)
         if scale is None:
-            return opaque_if_narrow(leaves[i])
+            x = leaves[i]
+            # An upcast leaf goes through a barrier, as in `opaque_if_narrow`.
+            if wide != x.dtype:
+                x = jax.lax.optimization_barrier(x)
+            return x.astype(wide)
         # A barrier of its own, so that XLA does not merge this pass's upcast
         # with another pass's over the same leaf (see opaque_if_narrow), nor
         # fold a constant leaf's square with the scale's (see scaled_pair).
-        # Every leaf is scaled and summed in `dtype` (complex leaves in its
-        # complex type): in a float64 tree a float32 leaf's sum cannot
-        # overflow where the scale was chosen for float64's range.
         x, factor = scaled_pair(leaves[i], scale)
-        wide = x.astype(jnp.result_type(x.dtype, dtype))
-        return _common.scale_by(wide, factor.astype(dtype))
+        return _common.scale_by(x.astype(wide), factor.astype(dtype))
 
     parts = [_common.power_sum(prepared(i), p) for i in alone]
     for group in groups:
