@@ -359,11 +359,11 @@ def _norm_in_two_passes(
     pass is then the bare sum of squares, which XLA's CPU backend runs about
     twice as fast as a sum of scaled squares on leaves in cache: where both
     passes were the iterations of one `lax.while_loop` (one compiled body,
-    multiplying by the scale), `clip_by_global_norm` alone ran 1.1-1.3 x
-    optax's time on trees of large float32 leaves, and compiled 15-45 % faster
-    on trees of many leaves; in the whole training step the compile times are
-    equal (benchmarks/RESULTS.md). Eagerly, the host decides whether to take
-    the second pass.
+    multiplying by the scale), `clip_by_global_norm` alone ran 1.05-1.37 x
+    optax's time on float32 trees, and compiled 15-40 % faster on trees of
+    many leaves; in the whole training step the compile times are alike and
+    the cond runs 3-10 % faster (benchmarks/RESULTS.md). Eagerly, the host
+    decides whether to take the second pass.
 
     The derivative is, through `jax.custom_jvp`, that of the last pass's
     formula at its (constant) scale, taken on the scaled leaves.
