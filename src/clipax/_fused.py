@@ -158,23 +158,21 @@ def concat(parts: Sequence[jax.Array]) -> jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def is_narrow(dtype: Any) -> bool:
-    """Whether leaves of `dtype` are upcast to accumulate (float16, bfloat16)."""
-    return _common.accum_dtype(dtype).itemsize > np.dtype(dtype).itemsize
-
-
-def opaque_if_narrow(x: jax.Array) -> jax.Array:
-    """`x`, hidden from common-subexpression elimination when it is upcast.
+def opaque_if_narrow(x: jax.Array, dtype: Any = None) -> jax.Array:
+    """`x`, hidden from common-subexpression elimination when it is upcast to
+    `dtype` (by default its accumulation dtype: float16 and bfloat16 leaves).
 
     A float16 or bfloat16 leaf is converted to float32 both here (for its
-    norm) and where the scale is applied. Left alone, XLA merges the two
+    norm) and where the scale is applied (a float32 leaf of a float64 tree
+    likewise to float64). Left alone, XLA merges the two
     conversions and writes the whole tree out in float32, one more write and
     read of twice the gradients' bytes (and as much temporary memory). An
     optimization barrier, which copies nothing, keeps the conversions apart,
     so each is fused into its own consumer. A second pass over the same leaf
     takes it through a barrier of its own (`scaled_pair`).
     """
-    if is_narrow(x.dtype):
+    wide = _common.accum_dtype(x.dtype) if dtype is None else np.dtype(dtype)
+    if wide.itemsize > np.dtype(x.dtype).itemsize:
         return jax.lax.optimization_barrier(x)
     return x
 
@@ -218,11 +216,7 @@ def partial_sums(
     def prepared(i: int) -> jax.Array:
         wide = jnp.result_type(leaves[i].dtype, dtype)
         if scale is None:
-            x = leaves[i]
-            # An upcast leaf goes through a barrier, as in `opaque_if_narrow`.
-            if wide != x.dtype:
-                x = jax.lax.optimization_barrier(x)
-            return x.astype(wide)
+            return opaque_if_narrow(leaves[i], wide).astype(wide)
         # A barrier of its own, so that XLA does not merge this pass's upcast
         # with another pass's over the same leaf (see opaque_if_narrow), nor
         # fold a constant leaf's square with the scale's (see scaled_pair).
