@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import chex
@@ -234,6 +235,19 @@ def test_the_common_path_is_one_plain_pass(ord: float) -> None:
             [np.asarray(x, np.float64) * scale for x in tree], ord
         )
         np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_partial_sums_are_summed_by_a_reduction_not_an_add_chain() -> None:
+    # XLA rewrites the sum of a stack of per-leaf scalars as one fused chain of
+    # adds, whose compile time grows with the number of leaves; the stack goes
+    # through a barrier, so that each pass sums it with one small reduction.
+    tree = [jnp.ones((5000,)) for _ in range(40)]
+    tx = clipax.clip_by_global_norm(1.0)
+    hlo = jax.jit(tx.update).lower(tree, tx.init(tree)).compile().as_text()
+    computations = re.split(r"\n(?=%|ENTRY)", hlo)
+    assert max(c.count(" add(") for c in computations) < 8
+    _, state = jax.jit(tx.update)(tree, tx.init(tree))
+    np.testing.assert_allclose(state.norm, np.sqrt(40 * 5000), rtol=1e-6)
 
 
 # The non-finite policy.

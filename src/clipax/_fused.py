@@ -231,7 +231,15 @@ def partial_sums(
         parts.append(_common.power_sum(flat, p))
     if not parts:
         return jnp.zeros((1,), dtype)
-    return jnp.stack([part.astype(dtype) for part in parts])
+    # Behind a barrier, the vector is summed by one small reduction. Seen
+    # through, XLA rewrites the sum of a stack of scalars as a chain of
+    # scalar adds fused into one kernel, whose compile time grows with its
+    # length (about 0.2 ms an add: 160 ms at 400 leaves, twice, once per
+    # pass); with the barrier `clip_by_global_norm` compiled 10-17 % faster
+    # on 100 to 400 leaves and on GPT-2 and Llama shaped trees
+    # (benchmarks/RESULTS.md).
+    stacked = jnp.stack([part.astype(dtype) for part in parts])
+    return jax.lax.optimization_barrier(stacked) if len(parts) > 1 else stacked
 
 
 def total(partials: jax.Array, p: float) -> jax.Array:
