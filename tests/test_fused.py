@@ -52,9 +52,8 @@ def per_leaf_total(leaves: list[Any], p: float, dtype: Any) -> jax.Array:
 
 @pytest.fixture
 def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small thresholds, so that one tree has groups, buckets and lone leaves."""
+    """Small thresholds, so that one tree has buckets and lone leaves."""
     monkeypatch.setattr(_fused, "SMALL_LEAF", 100)
-    monkeypatch.setattr(_fused, "GROUP_LEAVES", 3)
     monkeypatch.setattr(_fused, "BUCKET_ELEMENTS", 256)
     monkeypatch.setattr(_fused, "MAX_BUCKETED", 400)
 
@@ -67,35 +66,28 @@ def always_concatenate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("small_buckets")
-def test_plan_groups_same_size_leaves_and_buckets_the_rest_within_bounds() -> None:
+def test_plan_buckets_small_leaves_by_dtype_within_bounds() -> None:
     leaves = [
-        jnp.ones(50),  # 0: bucket
+        jnp.ones(50),  # 0: f32 bucket
         jnp.ones(60, jnp.bfloat16),  # 1: bf16 bucket
         jnp.ones(0),  # 2: empty, nowhere
         jnp.ones(101),  # 3: too large, alone
-        jnp.ones(100),  # 4: bucket
-        jnp.ones((2, 5)),  # 5: group of size 10
+        jnp.ones(100),  # 4: f32 bucket
+        jnp.ones((2, 5)),  # 5: f32 bucket, whatever its shape
         jnp.ones(30, jnp.bfloat16),  # 6: bf16 bucket
-        jnp.ones(10),  # 7: group
-        jnp.ones((5, 2)),  # 8: group
-        jnp.ones(10),  # 9: group of one: bucket
-        jnp.ones(10, jnp.bfloat16),  # 10: other dtype: bf16 bucket
-        jnp.ones(99),  # 11: a new f32 bucket (50 + 100 + 10 + 99 > 256)
+        jnp.ones(10),  # 7: f32 bucket
+        jnp.ones((5, 2)),  # 8: f32 bucket
+        jnp.ones(10),  # 9: f32 bucket
+        jnp.ones(10, jnp.bfloat16),  # 10: bf16 bucket
+        jnp.ones(99),  # 11: a new f32 bucket (50 + 100 + 4 x 10 + 99 > 256)
         jnp.ones(90),  # 12: past MAX_BUCKETED (400): alone
     ]
-    groups, buckets, alone = _fused._plan(leaves)
-    assert groups == [[5, 7, 8]]
-    assert buckets == [[0, 1, 4, 6, 9, 10], [11]] or buckets == [
-        [0, 4, 9],
-        [1, 6, 10],
-        [11],
-    ]
+    buckets, alone = _fused._plan(leaves)
+    assert buckets == [[0, 4, 5, 7, 8, 9], [1, 6, 10], [11]]
     assert alone == [3, 12]
-    for bucket in buckets + groups:
+    for bucket in buckets:
         assert len({leaves[i].dtype for i in bucket}) == 1
         assert sum(leaves[i].size for i in bucket) <= _fused.BUCKET_ELEMENTS
-    for group in groups:
-        assert len({leaves[i].size for i in group}) == 1
 
 
 @pytest.mark.usefixtures("small_buckets")
@@ -116,8 +108,8 @@ def test_bucketed_sums_equal_per_leaf_sums(
     tree = ragged_tree(seed, dtypes)
     leaves = jax.tree.leaves(tree)
     dtype = _common.tree_accum_dtype(leaves)
-    groups, buckets, alone = _fused._plan(leaves)  # eager leaves: concatenable
-    assert groups and any(len(b) > 1 for b in buckets) and alone
+    buckets, alone = _fused._plan(leaves)  # eager leaves: concatenable
+    assert any(len(b) > 1 for b in buckets) and alone
     partials = _fused.partial_sums(leaves, p, dtype)
     assert partials.dtype == dtype
     bucketed = _fused.total(partials, p)
@@ -170,15 +162,15 @@ def test_bucketed_norm_matches_float64_reference(
 
 @pytest.mark.parametrize("p", ORDS)
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
-@pytest.mark.parametrize("where", ["group", "bucket"])
-def test_non_finite_leaf_in_a_group_or_bucket_makes_every_output_nan(
-    p: float, bad: float, where: str
+@pytest.mark.parametrize("same_size", [False, True])
+def test_non_finite_leaf_in_a_bucket_makes_every_output_nan(
+    p: float, bad: float, same_size: bool
 ) -> None:
     tree = {"a": jnp.ones(10), "b": jnp.array([1.0, bad]), "c": jnp.ones(3)}
-    if where == "group":  # "b" and "d" have one size: combined element-wise
+    if same_size:  # "b" and "d" have one size
         tree["d"] = jnp.array([2.0, 3.0])
-    groups, buckets, _ = _fused._plan(jax.tree.leaves(tree))
-    assert (groups != []) == (where == "group") and buckets
+    buckets, alone = _fused._plan(jax.tree.leaves(tree))
+    assert buckets == [list(range(len(tree)))] and alone == []
     clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0, ord=p)
     assert not np.isfinite(norm)
     for leaf in jax.tree.leaves(clipped):
@@ -312,8 +304,8 @@ def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
     def local_norm(t: dict) -> jax.Array:
         leaves = jax.tree.leaves(t)
         assert all(_fused.can_concatenate(x) for x in leaves)
-        groups, buckets, alone = _fused._plan(leaves)
-        assert groups == [] and buckets == [[0, 1]] and alone == []
+        buckets, alone = _fused._plan(leaves)
+        assert buckets == [[0, 1]] and alone == []
         return clipax.tree.global_norm(t)[None, None]
 
     f = jax.jit(

@@ -5,20 +5,17 @@ and on CPU its compile time grows faster than linearly in their number (optax's
 `clip_by_global_norm` takes about 5 s to compile for 1000 leaves of 1000
 floats, 23 s for 2000). clipax reduces small leaves together instead:
 
-- small leaves of one dtype and one size, in groups of up to `GROUP_LEAVES`,
-  are combined element by element (|x|**p summed, or |x| maxed, across the
-  group) in one kernel that reads each leaf once and copies nothing; the short
-  result is then reduced once;
-- the remaining small leaves of one dtype are flattened and concatenated into
-  buckets of bounded size, each reduced once (a copy of those leaves only);
+- small leaves of one dtype are flattened and concatenated, in tree order,
+  into buckets of bounded size, each reduced once (a copy of those leaves
+  only);
 - large leaves, where a kernel's fixed cost is negligible beside its bytes,
   keep a reduction of their own.
 
 Nothing here touches a leaf that may be sharded across devices: concatenating
-or combining sharded arrays would reshard them. A leaf joins a group or a
-bucket only when it is known to live whole on each device that holds it (see
-`can_concatenate`); any other leaf keeps its own reduction, which lowers to a
-local reduction plus a scalar all-reduce.
+sharded arrays would reshard them. A leaf joins a bucket only when it is known
+to live whole on each device that holds it (see `can_concatenate`); any other
+leaf keeps its own reduction, which lowers to a local reduction plus a scalar
+all-reduce.
 
 The numbers are those of the per-leaf path: every partial sum is accumulated in
 float32 or wider from the leaves' own values; only the order of summation
@@ -42,9 +39,8 @@ from clipax import _common
 # CPU is small beside its memory traffic, while the copy into a bucket is not
 # (benchmarks/RESULTS.md).
 SMALL_LEAF = 1 << 12
-# Small leaves of one dtype and size are combined element by element in groups
-# of at most this many leaves: one kernel reads them all, no copy is made.
-# Larger groups compile superlinearly slower (benchmarks/RESULTS.md).
+# `_reduce.slice_norms` stacks at most this many small leaves of one shape.
+# Larger stacks compile superlinearly slower (benchmarks/RESULTS.md).
 GROUP_LEAVES = 32
 # The most elements one bucket holds (4 MiB of float32).
 BUCKET_ELEMENTS = 1 << 20
@@ -79,19 +75,24 @@ def can_concatenate(x: Any) -> bool:
     return jax.device_count() == 1
 
 
+def _is_small(x: Any) -> bool:
+    """Nonempty, at most `SMALL_LEAF` elements, and whole on every device."""
+    return 0 < x.size <= SMALL_LEAF and can_concatenate(x)
+
+
 def small_chunks(
     leaves: Sequence[Any], key: Callable[[int], Any]
 ) -> tuple[list[list[int]], list[int]]:
-    """Small leaves that share `key(i)`, in chunks of 2 to `GROUP_LEAVES`.
+    """Small leaves that share `key(i)`, in chunks of 2 to `GROUP_LEAVES`: the
+    stacks of `_reduce.slice_norms`.
 
     Small: nonempty, at most `SMALL_LEAF` elements, and whole on every device
     that holds it (`can_concatenate`). Returns the chunks and the small leaves
-    left alone in a chunk of one. Reductions of small leaves together and the
-    stacks of `_reduce.slice_norms` are both chunked here.
+    left alone in a chunk of one.
     """
     same: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
-        if 0 < x.size <= SMALL_LEAF and can_concatenate(x):
+        if _is_small(x):
             same.setdefault(key(i), []).append(i)
     chunks: list[list[int]] = []
     single: list[int] = []
@@ -105,53 +106,43 @@ def small_chunks(
     return chunks, single
 
 
-def _plan(
-    leaves: Sequence[Any],
-) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Splits leaf indices into groups, buckets and lone leaves.
+def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
+    """Splits leaf indices into buckets and lone leaves.
 
-    - A group holds up to `GROUP_LEAVES` small leaves of one dtype and one
-      size: they are combined element by element (no copy), then reduced once.
-    - A bucket holds the other small leaves of one dtype, in tree order, with
-      at most `BUCKET_ELEMENTS` elements in all; at most `MAX_BUCKETED`
-      elements are copied into buckets over all of them.
+    - A bucket holds small leaves of one dtype, in tree order, with at most
+      `BUCKET_ELEMENTS` elements in all; at most `MAX_BUCKETED` elements are
+      copied into buckets over all of them.
     - Every other leaf is reduced alone.
-    Zero-size leaves are in none of the lists: they add nothing to any norm.
+    Zero-size leaves are in neither list: they add nothing to any norm.
+
+    Small leaves of one size were once also combined element by element in
+    groups (one kernel reading up to 32 leaves, nothing copied). With two
+    passes, each group's kernel compiled twice, 30-60 ms each on this CPU,
+    where a bucket's concatenation and reduction take a few ms:
+    `clip_by_global_norm` compiles 20-35 % faster on model-shaped trees
+    without groups, and as fast or faster elsewhere, with the same run time
+    (benchmarks/RESULTS.md).
     """
-    groups, rest = small_chunks(
-        leaves, lambda i: (np.dtype(leaves[i].dtype), leaves[i].size)
-    )
-    small = {i for chunk in groups for i in chunk} | set(rest)
-    alone = [i for i, x in enumerate(leaves) if x.size and i not in small]
+    alone = [i for i, x in enumerate(leaves) if x.size and not _is_small(x)]
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     buckets: list[list[int]] = []
     bucketed = 0
-    for i in sorted(rest):
-        size = leaves[i].size
-        if bucketed + size > MAX_BUCKETED:
+    for i, x in enumerate(leaves):
+        if not _is_small(x):
+            continue
+        if bucketed + x.size > MAX_BUCKETED:
             alone.append(i)
             continue
-        bucketed += size
-        dtype = np.dtype(leaves[i].dtype)
-        if dtype not in open_buckets or filled[dtype] + size > BUCKET_ELEMENTS:
+        bucketed += x.size
+        dtype = np.dtype(x.dtype)
+        if dtype not in open_buckets or filled[dtype] + x.size > BUCKET_ELEMENTS:
             open_buckets[dtype] = []
             filled[dtype] = 0
             buckets.append(open_buckets[dtype])
         open_buckets[dtype].append(i)
-        filled[dtype] += size
-    return groups, buckets, sorted(alone)
-
-
-def _group_sum(members: Sequence[jax.Array], p: float) -> jax.Array:
-    """The power sum of same-size leaves, combined element by element first."""
-    combined = _common.powers(jnp.ravel(members[0]), p)
-    for x in members[1:]:
-        powers = _common.powers(jnp.ravel(x), p)
-        combined = jnp.maximum(combined, powers) if p == math.inf else combined + powers
-    if p == math.inf:
-        return jnp.max(combined, initial=0.0)
-    return jnp.sum(combined)
+        filled[dtype] += x.size
+    return buckets, sorted(alone)
 
 
 def concat(parts: Sequence[jax.Array]) -> jax.Array:
@@ -198,8 +189,8 @@ def partial_sums(
 ) -> jax.Array:
     """A vector whose sum (max for p = inf) is the tree's sum of |x|**p.
 
-    Each entry is the sum of |x|**p (max |x| for p = inf) over one group or
-    bucket of small leaves, or over one large leaf, accumulated in `dtype`
+    Each entry is the sum of |x|**p (max |x| for p = inf) over one bucket of
+    small leaves, or over one large leaf, accumulated in `dtype`
     (the tree's accumulation dtype, float32 or wider; complex leaves in its
     complex type). The vector has at least one entry (0 when there are no
     elements). Every leaf is summed in `dtype`: in a float64 tree, a float32
@@ -211,32 +202,32 @@ def partial_sums(
     needs.
     """
     leaves = [jnp.asarray(x) for x in leaves]
-    groups, buckets, alone = _plan(leaves)
+    buckets, alone = _plan(leaves)
 
-    def prepared(i: int) -> jax.Array:
-        wide = jnp.result_type(leaves[i].dtype, dtype)
+    def prepared(x: jax.Array) -> jax.Array:
+        wide = jnp.result_type(x.dtype, dtype)
         if scale is None:
-            return opaque_if_narrow(leaves[i], wide).astype(wide)
+            return opaque_if_narrow(x, wide).astype(wide)
         # A barrier of its own, so that XLA does not merge this pass's upcast
         # with another pass's over the same leaf (see opaque_if_narrow), nor
         # fold a constant leaf's square with the scale's (see scaled_pair).
-        x, factor = scaled_pair(leaves[i], scale)
+        x, factor = scaled_pair(x, scale)
         return _common.scale_by(x.astype(wide), factor.astype(dtype))
 
-    parts = [_common.power_sum(prepared(i), p) for i in alone]
-    for group in groups:
-        parts.append(_group_sum([prepared(i) for i in group], p))
+    parts = [_common.power_sum(prepared(leaves[i]), p) for i in alone]
+    # A bucket is concatenated in its leaves' own dtype and then prepared as
+    # one array (the concatenation is a copy: no barrier per leaf is needed).
     for bucket in buckets:
-        flat = concat([jnp.ravel(prepared(i)) for i in bucket])
-        parts.append(_common.power_sum(flat, p))
+        flat = concat([jnp.ravel(leaves[i]) for i in bucket])
+        parts.append(_common.power_sum(prepared(flat), p))
     if not parts:
         return jnp.zeros((1,), dtype)
     # Behind a barrier, the vector is summed by one small reduction. Seen
     # through, XLA rewrites the sum of a stack of scalars as a chain of
     # scalar adds fused into one kernel, whose compile time grows with its
     # length (about 0.2 ms an add: 160 ms at 400 leaves, twice, once per
-    # pass); with the barrier `clip_by_global_norm` compiled 10-17 % faster
-    # on 100 to 400 leaves and on GPT-2 and Llama shaped trees
+    # pass); with the barrier `clip_by_global_norm` compiles 7-17 % faster
+    # on 100 and 400 leaves of 40k floats, 5-10 % on a Llama-shaped tree
     # (benchmarks/RESULTS.md).
     stacked = jnp.stack([part.astype(dtype) for part in parts])
     return jax.lax.optimization_barrier(stacked) if len(parts) > 1 else stacked
