@@ -126,15 +126,15 @@ def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     floats hold 7.6 MiB of temporaries, 1.5 x optax's peak (model trees:
     none; benchmarks/RESULTS.md).
     """
-    alone = [i for i, x in enumerate(leaves) if x.size and not _is_small(x)]
+    alone: list[int] = []
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     buckets: list[list[int]] = []
     bucketed = 0
     for i, x in enumerate(leaves):
-        if not _is_small(x):
+        if not x.size:
             continue
-        if bucketed + x.size > MAX_BUCKETED:
+        if not _is_small(x) or bucketed + x.size > MAX_BUCKETED:
             alone.append(i)
             continue
         bucketed += x.size
@@ -145,7 +145,7 @@ def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
             buckets.append(open_buckets[dtype])
         open_buckets[dtype].append(i)
         filled[dtype] += x.size
-    return buckets, sorted(alone)
+    return buckets, alone
 
 
 def concat(parts: Sequence[jax.Array]) -> jax.Array:
