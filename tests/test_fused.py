@@ -55,7 +55,6 @@ def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small thresholds, so that one tree has buckets and lone leaves."""
     monkeypatch.setattr(_fused, "SMALL_LEAF", 100)
     monkeypatch.setattr(_fused, "BUCKET_ELEMENTS", 256)
-    monkeypatch.setattr(_fused, "MAX_BUCKETED", 400)
 
 
 @pytest.fixture
@@ -80,11 +79,11 @@ def test_plan_buckets_small_leaves_by_dtype_within_bounds() -> None:
         jnp.ones(10),  # 9: f32 bucket
         jnp.ones(10, jnp.bfloat16),  # 10: bf16 bucket
         jnp.ones(99),  # 11: a new f32 bucket (50 + 100 + 4 x 10 + 99 > 256)
-        jnp.ones(90),  # 12: past MAX_BUCKETED (400): alone
+        jnp.ones(90),  # 12: f32 bucket (no bound on the elements bucketed in all)
     ]
     buckets, alone = _fused._plan(leaves)
-    assert buckets == [[0, 4, 5, 7, 8, 9], [1, 6, 10], [11]]
-    assert alone == [3, 12]
+    assert buckets == [[0, 4, 5, 7, 8, 9], [1, 6, 10], [11, 12]]
+    assert alone == [3]
     for bucket in buckets:
         assert len({leaves[i].dtype for i in bucket}) == 1
         assert sum(leaves[i].size for i in bucket) <= _fused.BUCKET_ELEMENTS
@@ -342,6 +341,20 @@ def test_bfloat16_leaves_are_not_copied_to_float32(op: str) -> None:
     assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 4
     clipped = compiled(tree)[0] if op == "global" else compiled(tree)
     chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
+
+
+@pytest.mark.usefixtures("always_concatenate")
+def test_buckets_are_copied_one_at_a_time() -> None:
+    """Each bucket is a copy of its leaves, but only about one is held at a
+    time: unordered, XLA made every copy before reducing any."""
+    tree = [jnp.full(1000, 0.5) for _ in range(400)]  # 13 buckets of up to 32k
+    compiled = jax.jit(lambda t: clipax.tree.clip_by_global_norm(t, 1.0)).lower(tree)
+    compiled = compiled.compile()
+    nbytes = 400 * 1000 * 4  # all the copies at once
+    assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 8
+    clipped, norm = compiled(tree)
+    np.testing.assert_allclose(norm, np.sqrt(400 * 1000 * 0.25), rtol=1e-6)
+    np.testing.assert_allclose(clipped[7], np.full(1000, 0.5 / norm), rtol=1e-6)
 
 
 @pytest.mark.usefixtures("small_buckets")

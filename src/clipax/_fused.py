@@ -6,8 +6,8 @@ and on CPU its compile time grows faster than linearly in their number (optax's
 floats, 23 s for 2000). clipax reduces small leaves together instead:
 
 - small leaves of one dtype are flattened and concatenated, in tree order,
-  into buckets of bounded size, each reduced once (a copy of those leaves
-  only);
+  into buckets of bounded size, each reduced once: a copy of those leaves,
+  made one bucket at a time;
 - large leaves, where a kernel's fixed cost is negligible beside its bytes,
   keep a reduction of their own.
 
@@ -42,10 +42,15 @@ SMALL_LEAF = 1 << 12
 # `_reduce.slice_norms` stacks at most this many small leaves of one shape.
 # Larger stacks compile superlinearly slower (benchmarks/RESULTS.md).
 GROUP_LEAVES = 32
-# The most elements one bucket holds (4 MiB of float32).
-BUCKET_ELEMENTS = 1 << 20
-# The most elements bucketed in one tree (32 MiB of float32): bounds the
-# temporary memory of the copies; further small leaves are reduced alone.
+# The most elements one bucket holds (128 KiB of float32). Buckets are copied
+# one at a time (`partial_sums`), so this bounds the copies' memory. Smaller
+# buckets compiled slower (2**14: 10-30 % on GPT-2 and 500 leaves of 1k
+# floats), larger ones ran slower (2**16: 10-20 % on 500 x 1k;
+# benchmarks/RESULTS.md).
+BUCKET_ELEMENTS = 1 << 15
+# The most elements `_reduce.slice_norms` stacks in one tree (32 MiB of
+# float32): bounds the temporary memory of its stacks, which are copies held
+# together; further small leaves take their own reductions.
 MAX_BUCKETED = 1 << 23
 
 
@@ -110,8 +115,7 @@ def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     """Splits leaf indices into buckets and lone leaves.
 
     - A bucket holds small leaves of one dtype, in tree order, with at most
-      `BUCKET_ELEMENTS` elements in all; at most `MAX_BUCKETED` elements are
-      copied into buckets over all of them.
+      `BUCKET_ELEMENTS` elements in all.
     - Every other leaf is reduced alone.
     Zero-size leaves are in neither list: they add nothing to any norm.
 
@@ -121,23 +125,19 @@ def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     where a bucket's concatenation and reduction take a few ms:
     `clip_by_global_norm` compiles 15-40 % faster on model-shaped trees
     without groups (ResNet-50, GPT-2, Llama, 48 layers), and as fast or
-    faster elsewhere, with the same run time. The price is memory on trees
-    made only of small leaves, which groups did not copy: 2000 leaves of 1k
-    floats hold 7.6 MiB of temporaries, 1.5 x optax's peak (model trees:
-    none; benchmarks/RESULTS.md).
+    faster elsewhere, with the same run time. Groups copied nothing; buckets
+    are copied one at a time (`partial_sums`).
     """
     alone: list[int] = []
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     buckets: list[list[int]] = []
-    bucketed = 0
     for i, x in enumerate(leaves):
         if not x.size:
             continue
-        if not _is_small(x) or bucketed + x.size > MAX_BUCKETED:
+        if not _is_small(x):
             alone.append(i)
             continue
-        bucketed += x.size
         dtype = np.dtype(x.dtype)
         if dtype not in open_buckets or filled[dtype] + x.size > BUCKET_ELEMENTS:
             open_buckets[dtype] = []
@@ -221,9 +221,25 @@ def partial_sums(
     # A bucket is concatenated in its leaves' own dtype and then prepared as
     # one array: one upcast (and one barrier) per bucket, not per leaf; the
     # concatenation is a copy of those small leaves anyway.
+    #
+    # Each bucket after the first takes one element more: the previous
+    # bucket's sum clamped to at most 0, which is 0 for every sum but NaN (a
+    # NaN sum makes the total NaN anyway) and adds nothing to |x|**p or to
+    # the max. Its copy then waits for the previous bucket's reduction, so
+    # that one bucket's copy is held at a time. Left unordered, XLA's CPU
+    # scheduler made every bucket's copy before reducing any: a copy of all
+    # the small leaves at once (2000 leaves of 1k floats: 7.6 MiB of
+    # temporaries, 1.5 x optax's peak; in this order 0.14 MiB;
+    # benchmarks/RESULTS.md). An optimization barrier does not order them:
+    # XLA removes it before scheduling.
+    previous = None
     for bucket in buckets:
-        flat = concat([jnp.ravel(leaves[i]) for i in bucket])
-        parts.append(_common.power_sum(prepared(flat), p))
+        pieces = [jnp.ravel(leaves[i]) for i in bucket]
+        if previous is not None:
+            after = jax.lax.stop_gradient(jnp.minimum(previous, 0))
+            pieces.append(after.astype(pieces[0].dtype).reshape(1))
+        previous = _common.power_sum(prepared(concat(pieces)), p)
+        parts.append(previous)
     if not parts:
         return jnp.zeros((1,), dtype)
     # Behind a barrier, the vector is summed by one small reduction. Seen
