@@ -348,13 +348,35 @@ def test_buckets_are_copied_one_at_a_time() -> None:
     """Each bucket is a copy of its leaves, but only about one is held at a
     time: unordered, XLA made every copy before reducing any."""
     tree = [jnp.full(1000, 0.5) for _ in range(400)]  # 13 buckets of up to 32k
-    compiled = jax.jit(lambda t: clipax.tree.clip_by_global_norm(t, 1.0)).lower(tree)
-    compiled = compiled.compile()
+    lowered = jax.jit(lambda t: clipax.tree.clip_by_global_norm(t, 1.0)).lower(tree)
+    compiled = lowered.compile()
     nbytes = 400 * 1000 * 4  # all the copies at once
     assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 8
     clipped, norm = compiled(tree)
     np.testing.assert_allclose(norm, np.sqrt(400 * 1000 * 0.25), rtol=1e-6)
     np.testing.assert_allclose(clipped[7], np.full(1000, 0.5 / norm), rtol=1e-6)
+
+
+@pytest.mark.usefixtures("small_buckets", "always_concatenate")
+@pytest.mark.parametrize("p", ORDS)
+@pytest.mark.parametrize("value", [np.inf, np.nan, 3e30, 1e-30, 0.0])
+def test_a_bucket_passes_on_nothing_but_nan_to_the_next(p: float, value: float) -> None:
+    """Each bucket after the first holds the previous bucket's sum clamped to
+    at most 0: an inf, overflowed, underflowed or zero sum before it changes
+    no later bucket's sum; a NaN makes the norm NaN, as it would anyway."""
+    rng = np.random.default_rng(0)
+    tree = [jnp.asarray(rng.standard_normal(90).astype(np.float32)) for _ in range(8)]
+    tree[0] = jnp.full(90, value, jnp.float32)
+    assert len(_fused._plan(tree)[0]) == 4  # buckets of 2 leaves (256 elements)
+    ref = ref_global_norm(tree, p)
+    for norm in (
+        clipax.tree.global_norm(tree, ord=p),
+        jax.jit(lambda t: clipax.tree.global_norm(t, ord=p))(tree),
+    ):
+        if np.isnan(ref):
+            assert np.isnan(norm)
+        else:
+            np.testing.assert_allclose(norm, ref, **TOL)
 
 
 @pytest.mark.usefixtures("small_buckets")

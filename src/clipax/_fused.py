@@ -45,7 +45,7 @@ GROUP_LEAVES = 32
 # The most elements one bucket holds (128 KiB of float32). Buckets are copied
 # one at a time (`partial_sums`), so this bounds the copies' memory. Smaller
 # buckets compiled slower (2**14: 10-30 % on GPT-2 and 500 leaves of 1k
-# floats), larger ones ran slower (2**16: 10-20 % on 500 x 1k;
+# floats), larger ones ran slower (2**16: 7-23 % on 500 x 1k;
 # benchmarks/RESULTS.md).
 BUCKET_ELEMENTS = 1 << 15
 # The most elements `_reduce.slice_norms` stacks in one tree (32 MiB of
