@@ -44,7 +44,7 @@ SMALL_LEAF = 1 << 12
 GROUP_LEAVES = 32
 # The most elements one bucket holds (128 KiB of float32). Buckets are copied
 # one at a time (`partial_sums`), so this bounds the copies' memory. Smaller
-# buckets compiled slower (2**14: 10-30 % on GPT-2 and 500 leaves of 1k
+# buckets compiled slower (2**14: 9-33 % on GPT-2 and 500 leaves of 1k
 # floats), larger ones ran slower (2**16: 7-23 % on 500 x 1k;
 # benchmarks/RESULTS.md).
 BUCKET_ELEMENTS = 1 << 15
