@@ -85,30 +85,25 @@ def _is_small(x: Any) -> bool:
     return 0 < x.size <= SMALL_LEAF and can_concatenate(x)
 
 
-def small_chunks(
-    leaves: Sequence[Any], key: Callable[[int], Any]
-) -> tuple[list[list[int]], list[int]]:
+def small_chunks(leaves: Sequence[Any], key: Callable[[int], Any]) -> list[list[int]]:
     """Small leaves that share `key(i)`, in chunks of 2 to `GROUP_LEAVES`: the
     stacks of `_reduce.slice_norms`.
 
     Small: nonempty, at most `SMALL_LEAF` elements, and whole on every device
-    that holds it (`can_concatenate`). Returns the chunks and the small leaves
-    left alone in a chunk of one.
+    that holds it (`can_concatenate`). A small leaf left alone in a chunk of
+    one is in no chunk.
     """
     same: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
         if _is_small(x):
             same.setdefault(key(i), []).append(i)
     chunks: list[list[int]] = []
-    single: list[int] = []
     for members in same.values():
         for start in range(0, len(members), GROUP_LEAVES):
             chunk = members[start : start + GROUP_LEAVES]
             if len(chunk) > 1:
                 chunks.append(chunk)
-            else:
-                single.extend(chunk)
-    return chunks, single
+    return chunks
 
 
 def _plan(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:

@@ -522,7 +522,7 @@ def _stacks(
 
     stacks: list[list[int]] = []
     stacked = 0
-    for chunk in _fused.small_chunks(leaves, key)[0]:
+    for chunk in _fused.small_chunks(leaves, key):
         size = len(chunk) * leaves[chunk[0]].size
         if stacked + size <= _fused.MAX_BUCKETED:
             stacks.append(chunk)
