@@ -8,6 +8,7 @@ of medians (Markdown, ready for benchmarks/RESULTS.md):
     PYTHONPATH=src python benchmarks/bench_clipping.py --plot     # + scaling.png
     PYTHONPATH=src python benchmarks/bench_clipping.py --device 20 # + device time
     PYTHONPATH=src python benchmarks/bench_clipping.py --trees gpt2-f32,resnet50
+    PYTHONPATH=src python benchmarks/bench_clipping.py --ops tree.clip_by_norm
 
 What is measured, for each tree and each of `clip_by_global_norm`,
 `clip_by_norm` and `clip`, on the Optax transformation's `update` under
@@ -33,6 +34,10 @@ What is measured, for each tree and each of `clip_by_global_norm`,
 
 optax has no per-leaf `clip_by_norm` transformation; it is compared with the
 natural equivalent, `jax.tree.map` of `g * max_norm / max(||g||, max_norm)`.
+`--ops` adds two more views of it: `tree.clip_by_norm` (clipax's function,
+which returns no norms) against that formula, and `clip_by_norm+norms` (the
+transformation against the formula that also keeps each leaf's norm in its
+state, as clipax's state does).
 """
 
 from __future__ import annotations
@@ -212,21 +217,22 @@ TREES: dict[str, tuple[str, Callable[[], Tree]]] = {
 DEFAULT_TREES = ["1x16M", "400x40k", "2000x1k", "gpt2-f32", "gpt2-bf16", "mixed"]
 
 
+def keys_of(known: dict[str, Any], value: str) -> list[str]:
+    """A comma-separated list of keys of `known`, checked as the arguments are
+    parsed (an `argparse` type)."""
+    chosen = value.split(",")
+    unknown = sorted(set(chosen) - set(known))
+    if unknown:
+        known_keys = ", ".join(known)
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; known: {known_keys}")
+    return chosen
+
+
 def add_trees_option(parser: argparse.ArgumentParser, default: list[str]) -> None:
-    """`--trees KEY,...`: keys of `TREES`, checked as the arguments are parsed."""
-
-    def keys(value: str) -> list[str]:
-        chosen = value.split(",")
-        unknown = sorted(set(chosen) - set(TREES))
-        if unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {unknown}; known: {', '.join(TREES)}"
-            )
-        return chosen
-
+    """`--trees KEY,...`: keys of `TREES`."""
     parser.add_argument(
         "--trees",
-        type=keys,
+        type=functools.partial(keys_of, TREES),
         default=None,
         metavar="KEY,...",
         help=f"the trees to measure, of: {', '.join(TREES)} (default: "
@@ -269,6 +275,40 @@ def optax_clip_by_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+class NormsState(NamedTuple):
+    norms: Any  # the updates' tree with a float32 scalar per leaf
+
+
+def optax_clip_by_norm_keeping_norms(max_norm: float) -> optax.GradientTransformation:
+    """The bare formula that, as `clipax.clip_by_norm` does, returns each leaf's
+    pre-clip norm in its state: the same outputs as clipax's transformation."""
+
+    def init_fn(params: Tree) -> NormsState:
+        return NormsState(jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params))
+
+    def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
+        del state, params
+        norms = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g))), updates)
+        clipped = jax.tree.map(
+            lambda g, n: g * (max_norm / jnp.maximum(n, max_norm)).astype(g.dtype),
+            updates,
+            norms,
+        )
+        return clipped, NormsState(jax.tree.map(lambda n: n.astype(jnp.float32), norms))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def stateless(clip: Callable[[Tree], Tree]) -> optax.GradientTransformation:
+    """A function on pytrees as a transformation with an empty state."""
+
+    def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
+        del params
+        return clip(updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
 OPS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
     "clip_by_global_norm": (
         lambda: clipax.clip_by_global_norm(MAX_NORM),
@@ -279,7 +319,20 @@ OPS: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: optax_clip_by_norm(MAX_NORM),
     ),
     "clip": (lambda: clipax.clip(MAX_NORM), lambda: optax.clip(MAX_NORM)),
+    # Two more views of `clip_by_norm`, not in the default tables:
+    # `clipax.tree.clip_by_norm` (the function: no norms out) against the bare
+    # formula, and the transformation against the bare formula that also
+    # returns each leaf's norm in its state, as the transformation does.
+    "tree.clip_by_norm": (
+        lambda: stateless(lambda t: clipax.tree.clip_by_norm(t, MAX_NORM)),
+        lambda: optax_clip_by_norm(MAX_NORM),
+    ),
+    "clip_by_norm+norms": (
+        lambda: clipax.clip_by_norm(MAX_NORM),
+        lambda: optax_clip_by_norm_keeping_norms(MAX_NORM),
+    ),
 }
+DEFAULT_OPS = ["clip_by_global_norm", "clip_by_norm", "clip"]
 
 
 # Measurement.
@@ -380,12 +433,19 @@ class Row(NamedTuple):
     kernels: tuple[int, int]
 
 
-def bench_tree(name: str, tree: Tree, quick: bool, compiles: int = 2) -> list[Row]:
+def bench_tree(
+    name: str,
+    tree: Tree,
+    quick: bool,
+    compiles: int = 2,
+    ops: list[str] | None = None,
+) -> list[Row]:
     _, _, nbytes = describe(tree)
     reps = repeats_for(nbytes, quick)
     read, write = floor_calls(tree)
     rows = []
-    for op, (make_clipax, make_optax) in OPS.items():
+    for op in ops or DEFAULT_OPS:
+        make_clipax, make_optax = OPS[op]
         ours, theirs = build_pair(
             make_clipax, make_optax, tree, 1 if quick else compiles
         )
@@ -473,7 +533,9 @@ def device_loop(
     return lambda: looped(tree)
 
 
-def device_rows(cases: list[tuple[str, Tree]], k: int, quick: bool) -> list[tuple]:
+def device_rows(
+    cases: list[tuple[str, Tree]], k: int, quick: bool, ops: list[str] | None = None
+) -> list[tuple]:
     """Per tree and op: seconds per pass of clipax, optax and the floor.
 
     The floor is what a clip must move: one read pass of the tree (`_read_loop`)
@@ -486,7 +548,8 @@ def device_rows(cases: list[tuple[str, Tree]], k: int, quick: bool) -> list[tupl
         reps = max(3, repeats_for(nbytes, quick) // 3)
         read = _read_loop(tree, k)
         write = device_loop(_write_pass, tree, k)
-        for op, (make_clipax, make_optax) in OPS.items():
+        for op in ops or DEFAULT_OPS:
+            make_clipax, make_optax = OPS[op]
             calls = []
             for tx in (make_clipax(), make_optax()):
                 state = tx.init(tree)
@@ -664,6 +727,14 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="fresh compiles per library and op; the least counts (default 2)",
     )
+    parser.add_argument(
+        "--ops",
+        type=functools.partial(keys_of, OPS),
+        default=DEFAULT_OPS,
+        metavar="OP,...",
+        help=f"the rows to measure, of: {', '.join(OPS)} (default: "
+        f"{','.join(DEFAULT_OPS)})",
+    )
     args = parser.parse_args(argv)
     print(f"clipax vs optax: {header()}")
     if not args.only_plot:
@@ -671,7 +742,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [
             row
             for name, tree in cases
-            for row in bench_tree(name, tree, args.quick, args.compiles)
+            for row in bench_tree(name, tree, args.quick, args.compiles, args.ops)
         ]
         chain_names = {"1 x 16M f32", "2000 x 1k f32", "gpt2 124M f32"}
         chain_cases = (
@@ -681,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
         print_tables(cases, rows, chains)
         if args.device:
             device_cases = cases[:2] if args.quick else cases
-            rows_k = device_rows(device_cases, args.device, args.quick)
+            rows_k = device_rows(device_cases, args.device, args.quick, args.ops)
             print_device(rows_k, args.device)
     if args.plot or args.only_plot:
         counts = [100, 200, 500] if args.quick else [100, 250, 500, 1000, 2000, 4000]

@@ -7,6 +7,7 @@ import os
 import pathlib
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -137,9 +138,37 @@ def test_compiles_sets_the_fresh_builds_per_side(monkeypatch) -> None:
     monkeypatch.setattr(bench, "build", counting_build)
     monkeypatch.setattr(bench, "repeats_for", lambda nbytes, quick: 1)
     rows = bench.bench_tree("tiny", {"a": jnp.ones(3), "b": jnp.ones((2, 2))}, False, 3)
-    assert len(built) == 3 * 2 * len(bench.OPS)
-    assert [r.op for r in rows] == list(bench.OPS)
+    assert len(built) == 3 * 2 * len(bench.DEFAULT_OPS)
+    assert [r.op for r in rows] == bench.DEFAULT_OPS == OPS
     assert all(r.kernels[0] >= 1 and r.kernels[1] >= 1 for r in rows), rows
+
+
+def test_ops_chooses_the_rows(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(bench, "repeats_for", lambda nbytes, quick: 1)
+    tiny = {"a": jnp.ones(3), "b": jnp.ones((2, 2))}
+    monkeypatch.setattr(bench, "tree_cases", lambda quick, keys: [("tiny", tiny)])
+    chosen = ["tree.clip_by_norm", "clip_by_norm+norms"]
+    bench.main(["--quick", "--ops", ",".join(chosen)])
+    lines = capsys.readouterr().out.splitlines()
+    ops = [line.split("|")[2].strip() for line in lines if line.startswith("| tiny |")]
+    assert [op for op in ops if op.startswith(("clip", "tree"))] == chosen, lines
+    with pytest.raises(SystemExit):
+        bench.main(["--ops", "clip_by_norm,clip_by_nrom"])
+    err = capsys.readouterr().err
+    assert "--ops: unknown ['clip_by_nrom']" in err and "tree.clip_by_norm" in err
+
+
+def test_the_extra_clip_by_norm_references_compute_what_clipax_does() -> None:
+    """Each reference of `--ops` has the same outputs as the clipax side it is
+    set against, so that only the way they are computed is compared."""
+    tree = {"a": jnp.arange(1.0, 7.0).reshape(2, 3), "b": jnp.full((4,), 0.1)}
+    for op in ("tree.clip_by_norm", "clip_by_norm+norms"):
+        ours, theirs = (make() for make in bench.OPS[op])
+        got = [tx.update(tree, tx.init(tree)) for tx in (ours, theirs)]
+        chex.assert_trees_all_close(got[0][0], got[1][0], rtol=1e-6)
+        if op == "clip_by_norm+norms":
+            chex.assert_trees_all_close(got[0][1].norms, got[1][1].norms, rtol=1e-6)
+            assert got[1][1].norms["a"] > bench.MAX_NORM > got[1][1].norms["b"]
 
 
 def test_kernel_count_counts_each_leafs_kernels() -> None:
