@@ -646,8 +646,11 @@ def slice_norms(
     widths = [len(v) for v in plain_sums[: len(packs)]]
     width = max(widths + [len(members[u]) for u in sliced], default=0)
 
-    def positions() -> tuple[jax.Array, ...]:
-        return tuple(jnp.int32(j) for j in range(width))
+    def positions() -> tuple[Any, ...]:
+        # NumPy scalars, which the branch returns as constants: a `jnp.int32`
+        # is an operation to trace, 10-18 % of the trace time on 100 to 580
+        # leaves, for the same program (benchmarks/RESULTS.md).
+        return tuple(np.int32(j) for j in range(width))
 
     def exact() -> tuple[list[jax.Array], tuple[jax.Array, ...]]:
         pairs = zip(units, axes, sums, keeps, strict=True)
