@@ -228,16 +228,29 @@ def keys_of(known: dict[str, Any], value: str) -> list[str]:
     return chosen
 
 
-def add_trees_option(parser: argparse.ArgumentParser, default: list[str]) -> None:
-    """`--trees KEY,...`: keys of `TREES`."""
+def add_keys_option(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    known: dict[str, Any],
+    default: list[str],
+    what: str,
+    value: list[str] | None = None,
+) -> None:
+    """`flag KEY,...`: the `what` to measure, keys of `known`; `default` names
+    them in the help, and `value` is the parsed default."""
     parser.add_argument(
-        "--trees",
-        type=functools.partial(keys_of, TREES),
-        default=None,
+        flag,
+        type=functools.partial(keys_of, known),
+        default=value,
         metavar="KEY,...",
-        help=f"the trees to measure, of: {', '.join(TREES)} (default: "
+        help=f"the {what} to measure, of: {', '.join(known)} (default: "
         f"{','.join(default)})",
     )
+
+
+def add_trees_option(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """`--trees KEY,...`: keys of `TREES`."""
+    add_keys_option(parser, "--trees", TREES, default, "trees")
 
 
 def tree_cases(quick: bool, keys: list[str] | None = None) -> list[tuple[str, Tree]]:
@@ -727,14 +740,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="fresh compiles per library and op; the least counts (default 2)",
     )
-    parser.add_argument(
-        "--ops",
-        type=functools.partial(keys_of, OPS),
-        default=DEFAULT_OPS,
-        metavar="OP,...",
-        help=f"the rows to measure, of: {', '.join(OPS)} (default: "
-        f"{','.join(DEFAULT_OPS)})",
-    )
+    add_keys_option(parser, "--ops", OPS, DEFAULT_OPS, "rows", DEFAULT_OPS)
     args = parser.parse_args(argv)
     print(f"clipax vs optax: {header()}")
     if not args.only_plot:
