@@ -274,16 +274,24 @@ def describe(tree: Tree) -> tuple[int, int, int]:
 # Transformations.
 
 
+def bare_norm(g: jax.Array) -> jax.Array:
+    """A leaf's norm as the bare formula takes it."""
+    return jnp.sqrt(jnp.sum(jnp.square(g)))
+
+
+def bare_clip(g: jax.Array, norm: jax.Array, max_norm: float) -> jax.Array:
+    """`g` clipped to `max_norm` by the bare formula, given its `norm`."""
+    return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+
+
 def optax_clip_by_norm(max_norm: float) -> optax.GradientTransformation:
     """optax has no per-leaf norm clipping: the natural `jax.tree.map` form."""
 
-    def clip_leaf(g: jax.Array) -> jax.Array:
-        norm = jnp.sqrt(jnp.sum(jnp.square(g)))
-        return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
-
     def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
         del params
-        return jax.tree.map(clip_leaf, updates), state
+        return jax.tree.map(
+            lambda g: bare_clip(g, bare_norm(g), max_norm), updates
+        ), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
@@ -301,12 +309,8 @@ def optax_clip_by_norm_keeping_norms(max_norm: float) -> optax.GradientTransform
 
     def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
         del state, params
-        norms = jax.tree.map(lambda g: jnp.sqrt(jnp.sum(jnp.square(g))), updates)
-        clipped = jax.tree.map(
-            lambda g, n: g * (max_norm / jnp.maximum(n, max_norm)).astype(g.dtype),
-            updates,
-            norms,
-        )
+        norms = jax.tree.map(bare_norm, updates)
+        clipped = jax.tree.map(lambda g, n: bare_clip(g, n, max_norm), updates, norms)
         return clipped, NormsState(jax.tree.map(lambda n: n.astype(jnp.float32), norms))
 
     return optax.GradientTransformation(init_fn, update_fn)
