@@ -371,9 +371,18 @@ def kernel_count(compiled: Any) -> int:
     )
 
 
-def build(tx: optax.GradientTransformation, tree: Tree) -> Built:
-    """Compiles `tx.update` afresh; returns a zero-argument call and costs."""
+def build(
+    tx: optax.GradientTransformation,
+    tree: Tree,
+    place: Callable[[Tree], Tree] | None = None,
+) -> Built:
+    """Compiles `tx.update` afresh; returns a zero-argument call and costs.
+
+    `place` (optional) puts the tree and the state on devices (shardings) first.
+    """
     state = tx.init(tree)
+    if place is not None:
+        tree, state = place(tree), place(state)
     jax.clear_caches()
     gc.collect()
     start = time.perf_counter()
@@ -396,13 +405,15 @@ def build_pair(
     make_theirs: Callable[[], optax.GradientTransformation],
     tree: Tree,
     compiles: int,
+    place: Callable[[Tree], Tree] | None = None,
 ) -> tuple[Built, Built]:
     """`compiles` fresh builds of each side, in the order ours, theirs, theirs,
     ours, ...; each side keeps its first build's call and its least compile."""
     builds: tuple[list[Built], list[Built]] = ([], [])
     for i in range(compiles):
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            builds[side].append(build((make_ours, make_theirs)[side](), tree))
+            tx = (make_ours, make_theirs)[side]()
+            builds[side].append(build(tx, tree, place))
     ours, theirs = (
         b[0]._replace(compile_s=min(x.compile_s for x in b)) for b in builds
     )

@@ -55,18 +55,24 @@ STEPS = {
 
 
 def measure(
-    tree: Any, steps: dict[str, Any], quick: bool, compiles: int = 2
+    tree: Any,
+    steps: dict[str, Any],
+    quick: bool,
+    compiles: int = 2,
+    place: Any = None,
 ) -> dict[str, tuple[float, float]]:
     """Median run seconds and least compile seconds of each of the two steps
     (`steps` maps a name to a factory of the step's transformation), from
     `compiles` fresh compiles of each (1 when `quick`), in the order clipax's,
-    the reference's, the reference's, clipax's, and so on."""
+    the reference's, the reference's, clipax's, and so on; `place` puts the
+    tree and the state on devices (`bench_clipping.build`)."""
     names = list(steps)
     ours, theirs = bench.build_pair(
         lambda: training_step(steps[names[0]]()),
         lambda: training_step(steps[names[1]]()),
         tree,
         1 if quick else compiles,
+        place,
     )
     reps = bench.repeats_for(bench.describe(tree)[2], quick)
     t_ours, t_theirs = bench.interleaved([ours.call, theirs.call], reps)

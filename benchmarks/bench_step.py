@@ -1,15 +1,24 @@
-"""The whole training step: `chain(clip_by_global_norm, adamw)` + `apply_updates`.
+"""The whole training step: `chain(rule, adamw)` + `apply_updates`.
 
-What a user feels: clipax's `clip_by_global_norm` against optax's in the same
-step, on model-shaped trees (random values, the models' parameter shapes).
-Run time and compile time are measured with `bench_clipping`'s harness: both
-steps in one process, called alternately (medians), compiles after
-`jax.clear_caches()` in the order clipax, optax, optax, clipax, ... (the least
-of `--compiles` each counts, default 2). The step is `bench_skip.training_step`.
+What a user feels: a clipax rule against what it replaces, in the same step,
+on model-shaped trees (random values, the models' parameter shapes). Run time
+and compile time are measured with `bench_clipping`'s harness: both steps in
+one process, called alternately (medians), compiles after `jax.clear_caches()`
+in the order clipax, reference, reference, clipax, ... (the least of
+`--compiles` each counts, default 2). The step is `bench_skip.training_step`.
 
     PYTHONPATH=src python benchmarks/bench_step.py            # every tree
     PYTHONPATH=src python benchmarks/bench_step.py --quick    # smoke run
-    PYTHONPATH=src python benchmarks/bench_step.py --trees gpt2-f32,llama1B
+    PYTHONPATH=src python benchmarks/bench_step.py --trees gpt2-f32,llama8L
+    PYTHONPATH=src python benchmarks/bench_step.py --rule clip_by_norm,agc
+    PYTHONPATH=src python benchmarks/bench_step.py --devices 8 --trees gpt48L
+
+`--rule` picks the rules (see `RULES`: each with the step it is measured
+against). `--devices N` forces N host devices (set before JAX starts) and
+places every array with a `NamedSharding` over a one-axis mesh with automatic
+axes (GSPMD under `jax.jit`), in each of `--layouts`: `replicated` (every
+array whole on every device) and `fsdp` (dimension 0 split over the mesh where
+it divides, as fully sharded data parallelism does; the rest replicated).
 
 The trees: ResNet-50 (161 leaves, 25.6M parameters), GPT-2 small in float32
 and bfloat16 (148 leaves, 124M), a Llama-shaped tree (8 layers of width 512,
@@ -19,22 +28,104 @@ SwiGLU, 32k vocabulary: 75 leaves, 58M) and a 48-layer GPT-shaped tree
 
 from __future__ import annotations
 
-import argparse
-import math
-from typing import Any
+import os
+import sys
+
+
+def _forced_devices(argv: list[str]) -> int:
+    """The `--devices N` of `argv` (1 without it), read before JAX starts."""
+    for i, arg in enumerate(argv):
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+if __name__ == "__main__" and _forced_devices(sys.argv) > 1:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_force_host_platform_device_count={_forced_devices(sys.argv)}"
+    ).strip()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import math  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 # The harnesses beside this file (its folder is on sys.path when run as a script).
-import bench_clipping as bench
-import bench_skip
-import jax.numpy as jnp
-import optax
+import bench_clipping as bench  # noqa: E402
+import bench_skip  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-import clipax
-
-TARGET = 1.1
-
+import clipax  # noqa: E402
 
 STEP_TREES = ["resnet50", "gpt2-f32", "gpt2-bf16", "llama8L", "gpt48L"]
+MAX_NORM = 1.0
+
+
+def bare_clip_by_norm(axes: Any = None) -> optax.GradientTransformation:
+    """The per-leaf rule as a user writes it without clipax: `jax.tree.map` of
+    `g * c / max(norm(g), c)`, the norm over `axes` (the whole leaf for None)."""
+
+    def clip(g: jax.Array) -> jax.Array:
+        squares = jnp.square(g.astype(jnp.float32))
+        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=axes is not None))
+        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
+
+    return bench.stateless(lambda tree: jax.tree.map(clip, tree))
+
+
+def _optax_global() -> optax.GradientTransformation:
+    return optax.clip_by_global_norm(MAX_NORM)
+
+
+# Each rule: (clipax's transformation, the reference, the reference's label).
+# Both are chained with `optax.adamw(1e-4)`.
+RULES: dict[str, tuple[Callable[[], Any], Callable[[], Any], str]] = {
+    "clip_by_global_norm": (
+        lambda: clipax.clip_by_global_norm(MAX_NORM),
+        _optax_global,
+        "optax.clip_by_global_norm",
+    ),
+    "clip_by_norm": (
+        lambda: clipax.clip_by_norm(MAX_NORM),
+        bare_clip_by_norm,
+        "the bare tree.map formula",
+    ),
+    "clip_by_norm_axes": (
+        lambda: clipax.clip_by_norm(MAX_NORM, axes=-1),
+        lambda: bare_clip_by_norm(axes=-1),
+        "the bare formula per row (axes=-1)",
+    ),
+    "agc": (
+        lambda: clipax.adaptive_grad_clip(0.01),
+        lambda: optax.adaptive_grad_clip(0.01),
+        "optax.adaptive_grad_clip",
+    ),
+    "adagc": (clipax.adagc, _optax_global, "optax.clip_by_global_norm"),
+    "zclip": (clipax.zclip, _optax_global, "optax.clip_by_global_norm"),
+    "autoclip": (clipax.autoclip, _optax_global, "optax.clip_by_global_norm"),
+    "skip_spikes": (
+        lambda: clipax.skip_spikes(clipax.clip_by_global_norm(MAX_NORM)),
+        _optax_global,
+        "optax.clip_by_global_norm",
+    ),
+}
+LAYOUTS = ["replicated", "fsdp"]
+
+
+def steps_of(rule: str) -> dict[str, Callable[[], optax.GradientTransformation]]:
+    ours, theirs, _ = RULES[rule]
+    return {
+        "clipax": lambda: optax.chain(ours(), optax.adamw(1e-4)),
+        "reference": lambda: optax.chain(theirs(), optax.adamw(1e-4)),
+    }
 
 
 def tree_cases(quick: bool, keys: list[str] | None) -> list[tuple[str, Any]]:
@@ -43,10 +134,17 @@ def tree_cases(quick: bool, keys: list[str] | None) -> list[tuple[str, Any]]:
     return bench.tree_cases(False, keys or STEP_TREES)
 
 
-STEPS = {
-    "clipax": lambda: optax.chain(clipax.clip_by_global_norm(1.0), optax.adamw(1e-4)),
-    "optax": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4)),
-}
+def placer(layout: str, count: int) -> Callable[[Any], Any]:
+    """Puts every array of a tree on `count` devices, as `layout` says."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:count]), ("data",))
+
+    def place(x: Any) -> Any:
+        x = jnp.asarray(x)
+        split = layout == "fsdp" and x.ndim >= 1 and x.shape[0] % count == 0
+        spec = PartitionSpec("data") if split else PartitionSpec()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    return functools.partial(jax.tree.map, place)
 
 
 def geomean(values: list[float]) -> float:
@@ -63,30 +161,65 @@ def main(argv: list[str] | None = None) -> None:
         help="fresh compiles per step; the least counts (default 2)",
     )
     bench.add_trees_option(parser, STEP_TREES)
-    args = parser.parse_args(argv)
-    print(f"training step, clipax vs optax clip_by_global_norm: {bench.header()}")
-    print(
-        "\n| tree | leaves | params | clipax run ms | optax run ms | run ratio "
-        "| clipax compile s | optax compile s | compile ratio |"
+    bench.add_keys_option(
+        parser,
+        "--rule",
+        RULES,
+        ["clip_by_global_norm"],
+        "rules",
+        ["clip_by_global_norm"],
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    runs, compiles = [], []
-    for name, tree in tree_cases(args.quick, args.trees):
-        leaves, count, _ = bench.describe(tree)
-        got = bench_skip.measure(tree, STEPS, args.quick, args.compiles)
-        (run_c, comp_c), (run_o, comp_o) = got["clipax"], got["optax"]
-        runs.append(run_c / run_o)
-        compiles.append(comp_c / comp_o)
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="force this many host devices and shard the arrays (default 1)",
+    )
+    bench.add_keys_option(
+        parser,
+        "--layouts",
+        {k: k for k in LAYOUTS},
+        LAYOUTS,
+        "layouts (with --devices)",
+        LAYOUTS,
+    )
+    args = parser.parse_args(argv)
+    if args.devices > jax.device_count():
+        parser.error(f"--devices {args.devices}: JAX has {jax.device_count()}")
+    layouts = args.layouts if args.devices > 1 else [None]
+    print(f"training step, clipax rule vs its reference, + adamw: {bench.header()}")
+    print(
+        "\n| rule | against | tree | layout | leaves | params | clipax run ms "
+        "| reference run ms | run ratio | clipax compile s | reference compile s "
+        "| compile ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    cases = tree_cases(args.quick, args.trees)
+    for rule in args.rule:
+        runs, compiles = [], []
+        for name, tree in cases:
+            leaves, count, _ = bench.describe(tree)
+            for layout in layouts:
+                place = None if layout is None else placer(layout, args.devices)
+                got = bench_skip.measure(
+                    tree, steps_of(rule), args.quick, args.compiles, place
+                )
+                (run_c, comp_c), (run_o, comp_o) = got["clipax"], got["reference"]
+                runs.append(run_c / run_o)
+                compiles.append(comp_c / comp_o)
+                where = layout or "1 device"
+                print(
+                    f"| {rule} | {RULES[rule][2]} | {name} | {where} | {leaves} | "
+                    f"{count:,} | {run_c * 1e3:.1f} | {run_o * 1e3:.1f} | "
+                    f"{runs[-1]:.3f} | {comp_c:.3f} | {comp_o:.3f} | "
+                    f"{compiles[-1]:.3f} |",
+                    flush=True,
+                )
         print(
-            f"| {name} | {leaves} | {count:,} | {run_c * 1e3:.1f} | "
-            f"{run_o * 1e3:.1f} | {runs[-1]:.3f} | {comp_c:.3f} | {comp_o:.3f} | "
-            f"{compiles[-1]:.3f} |",
+            f"| {rule} | geometric mean | | | | | | | {geomean(runs):.3f} | | | "
+            f"{geomean(compiles):.3f} |",
             flush=True,
         )
-    print(
-        f"\ngeometric mean: run {geomean(runs):.3f}, compile {geomean(compiles):.3f}"
-        f" (target <= 1.0; no case above {TARGET})"
-    )
 
 
 if __name__ == "__main__":

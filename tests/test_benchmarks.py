@@ -86,11 +86,64 @@ def test_skip_benchmark_quick_run_prints_its_row() -> None:
 STEP_SCRIPT = SCRIPT.with_name("bench_step.py")
 
 
-def test_step_benchmark_quick_run_prints_its_row_and_the_geometric_mean() -> None:
-    title = "training step, clipax vs optax clip_by_global_norm:"
-    lines, cells = _quick_row(STEP_SCRIPT, title, 9)
-    assert all(float(c.replace(",", "")) > 0 for c in cells[1:]), cells
-    assert any(line.startswith("geometric mean: run ") for line in lines), lines
+STEP_TITLE = "training step, clipax rule vs its reference, + adamw: jax "
+
+
+def _step_rows(lines: list[str], rule: str) -> tuple[list[list[str]], list[str]]:
+    """The measured rows of `rule` (as cells) and its geometric-mean row."""
+    rows = [line for line in lines if line.startswith(f"| {rule} |")]
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert cells and cells[-1][1] == "geometric mean", rows
+    return cells[:-1], cells[-1]
+
+
+def test_step_benchmark_quick_run_prints_a_row_per_rule_and_the_geometric_mean():
+    rules = ["clip_by_global_norm", "clip_by_norm", "agc", "adagc"]
+    lines = helpers.run_script(
+        STEP_SCRIPT, "--quick", "--rule", ",".join(rules), XLA_FLAGS=None
+    ).splitlines()
+    assert lines[0].startswith(STEP_TITLE), lines[:3]
+    for rule in rules:
+        rows, mean = _step_rows(lines, rule)
+        assert len(rows) == 1 and len(rows[0]) == 12, rows
+        assert rows[0][1] == bench_step.RULES[rule][2]
+        assert rows[0][2:4] == ["gpt2-tiny f32", "1 device"], rows
+        assert all(float(c.replace(",", "")) > 0 for c in rows[0][4:]), rows
+        assert float(mean[8]) == pytest.approx(float(rows[0][8]), abs=1e-3)
+
+
+def test_step_benchmark_shards_over_forced_devices_in_each_layout() -> None:
+    lines = helpers.run_script(
+        STEP_SCRIPT, "--quick", "--devices", "2", XLA_FLAGS=None
+    ).splitlines()
+    assert "2 device(s)" in lines[0], lines[0]
+    rows, _ = _step_rows(lines, "clip_by_global_norm")
+    assert [row[3] for row in rows] == bench_step.LAYOUTS, rows
+
+
+def test_step_placer_splits_dimension_zero_only_where_it_divides() -> None:
+    tree = {"w": jnp.ones((4, 3)), "b": jnp.ones(3), "s": jnp.ones(())}
+    placed = bench_step.placer("fsdp", 2)(tree)
+    specs = {k: tuple(v.sharding.spec) for k, v in placed.items()}
+    assert specs == {"w": ("data",), "b": (), "s": ()}
+    replicated = bench_step.placer("replicated", 2)(tree)
+    assert all(v.sharding.is_fully_replicated for v in replicated.values())
+    chex.assert_trees_all_equal(placed, tree)
+
+
+@pytest.mark.parametrize("rule", ["clip_by_norm", "clip_by_norm_axes", "agc"])
+def test_each_per_tensor_reference_computes_what_clipax_does(rule) -> None:
+    """The per-tensor rules' references give clipax's outputs, so that the
+    step benchmark compares only how they are computed."""
+    params = {"w": jnp.arange(1.0, 13.0).reshape(3, 4), "b": jnp.full((4,), 0.1)}
+    grads = jax.tree.map(lambda x: 3.0 * x[::-1], params)
+    ours, theirs = (make() for make in bench_step.RULES[rule][:2])
+    got = [tx.update(grads, tx.init(params), params)[0] for tx in (ours, theirs)]
+    chex.assert_trees_all_close(got[0], got[1], rtol=1e-6)
+    assert not all(
+        bool(jnp.allclose(a, b))
+        for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(grads), strict=True)
+    ), "nothing was clipped: the comparison would prove nothing"
 
 
 # The harness's own pieces, imported (the scripts' folder is not a package).
@@ -130,9 +183,9 @@ def test_an_unknown_tree_key_is_refused(script, capsys) -> None:
 def test_compiles_sets_the_fresh_builds_per_side(monkeypatch) -> None:
     built = []
 
-    def counting_build(tx, tree):
+    def counting_build(tx, tree, place=None):
         built.append(tx)
-        return real_build(tx, tree)
+        return real_build(tx, tree, place)
 
     real_build = bench.build
     monkeypatch.setattr(bench, "build", counting_build)
@@ -187,7 +240,7 @@ def test_step_measure_takes_the_least_of_compiles_in_alternating_order(
     seconds = [5.0, 4.0, 3.0, 6.0, 2.0, 7.0]  # handed out in build order
     built: list[str] = []
 
-    def fake_build(name: str, tree) -> bench.Built:
+    def fake_build(name: str, tree, place=None) -> bench.Built:
         built.append(name)
         return bench.Built(lambda: None, seconds[len(built) - 1], 0, 0)
 
