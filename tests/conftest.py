@@ -8,6 +8,7 @@ exist, saying so.
 """
 
 import os
+from typing import Any
 
 DEVICES = os.environ.get("CLIPAX_TEST_DEVICES", "cpu8")
 if DEVICES not in ("cpu8", "native"):
@@ -44,6 +45,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 f"needs {needed} devices; JAX has {jax.device_count()} "
                 f"({jax.default_backend()}, CLIPAX_TEST_DEVICES={DEVICES})"
             )
+
+
+@pytest.fixture
+def state_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`clipax._states`, whose registry forgets after the test what it registers."""
+    from clipax import _states
+
+    monkeypatch.setattr(_states, "REGISTRY", dict(_states.REGISTRY))
+    return _states
 
 
 def pytest_report_header() -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -182,16 +182,14 @@ def test_no_clipax_state_gives_an_empty_dict() -> None:
     assert clipax.metrics(None) == {}
 
 
-def test_a_clipax_state_class_needs_no_registration() -> None:
-    from clipax import _metrics
-
+def test_a_new_clipax_state_class_needs_one_registration(state_registry: Any) -> None:
+    @state_registry.register("new_rule")
     class NewRuleState(NamedTuple):
         norm: jax.Array
         threshold: jax.Array
 
-    NewRuleState.__module__ = "clipax._new_rule"
     state = (NewRuleState(jnp.asarray(4.0), jnp.asarray(2.0)),)
-    assert _metrics.is_clipax_state(state[0])
+    assert state_registry.state_class(state[0]).name == "new_rule"
     assert clipax.metrics(state) == {
         "0/new_rule/norm": 4.0,
         "0/new_rule/threshold": 2.0,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, NamedTuple
 
 import chex
@@ -195,15 +193,10 @@ class _WrapperState(NamedTuple):
     skipped: jax.Array  # int32 scalar
 
 
-_FAKE = types.ModuleType("clipax._test_only_wrapper")
-_WrapperState.__module__ = _FAKE.__name__
-_FAKE._WrapperState = _WrapperState  # type: ignore[attr-defined]
-
-
 @pytest.fixture
-def clipax_wrapper(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A clipax-defined wrapper (module `clipax.*`), like `skip_spikes`."""
-    monkeypatch.setitem(sys.modules, _FAKE.__name__, _FAKE)
+def clipax_wrapper(state_registry: Any) -> Any:
+    """A clipax wrapper, registered as `skip_spikes`'s state is."""
+    state_registry.register("test_only_wrapper", inner="inner_state")(_WrapperState)
 
     def wrap(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         def init(params: Any) -> _WrapperState:

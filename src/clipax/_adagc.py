@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _adaptive, _common, _states
 from clipax._reduce import AxisName
 
 
+@_states.register("adagc", per_leaf=("ema", "norms", "thresholds"))
 class AdaGCState(NamedTuple):
     """State of `adagc`: each leaf's EMA and what the last update saw."""
 

@@ -22,7 +22,8 @@ comes out NaN; the count advances only on a step whose norms are all finite),
 and the clipping itself, TensorFlow's formula `x * t / max(norm, t)`.
 
 To add a rule: write its `NamedTuple` state (its statistics, then `count`,
-`norm` and `threshold`, or `norms` and `thresholds` per leaf), its initial
+`norm` and `threshold`, or `norms` and `thresholds` per leaf), registered with
+`_states.register` (its factory's name and its per-leaf fields), its initial
 statistics, and its rule; the factory checks the arguments and returns
 `transformation(...)`. `zclip` in `_zclip.py` is the model to copy.
 """

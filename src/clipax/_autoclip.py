@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _adaptive, _common, _states
 from clipax._reduce import AxisName
 
 
+@_states.register("autoclip")
 class AutoClipState(NamedTuple):
     """State of `autoclip`: the recent norms and what the last update saw."""
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _states
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 
+@_states.register("clip_by_global_norm")
 class ClipByGlobalNormState(NamedTuple):
     """State of `clip_by_global_norm`: the norm it saw last, for logging.
 

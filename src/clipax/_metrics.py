@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clipax import _common
+from clipax import _common, _states
 
 PyTree = Any
 
@@ -17,9 +17,6 @@ TWICE = (
     "`clipax.metrics` made the key {key!r} twice; rename the groups or chain "
     "entries that give it."
 )
-# Field of a clipax state that holds a wrapped transformation's state: walked
-# for more clipax states, never read as statistics (as `skip_spikes` keeps it).
-INNER_FIELD = "inner_state"
 # Optax wrappers' states, named as their factories are.
 _WRAPPER_LABELS = {
     "InjectHyperparamsState": "inject_hyperparams",
@@ -42,31 +39,6 @@ def _base_name(cls: type) -> str:
     return name[: -len("State")] if name.endswith("State") and name != "State" else name
 
 
-def is_clipax_state(node: Any) -> bool:
-    """Whether `node` is a NamedTuple whose class is defined in clipax."""
-    cls = type(node)
-    module = getattr(cls, "__module__", "") or ""
-    return (
-        isinstance(node, tuple)
-        and hasattr(cls, "_fields")
-        and (module == "clipax" or module.startswith("clipax."))
-    )
-
-
-def state_label(cls: type) -> str:
-    """The public factory's name for a clipax state class: `ZClipState` ->
-    `"zclip"`, `ClipByGlobalNormState` -> `"clip_by_global_norm"`; the class
-    name in snake case when no public name matches."""
-    import clipax  # the package imports this module: look it up late
-
-    base = _base_name(cls)
-    squashed = base.lower()
-    for name in clipax.__all__:
-        if name.replace("_", "").lower() == squashed and name.islower():
-            return name
-    return _snake(base)
-
-
 def _is_nnx_variable(node: Any) -> bool:
     module = getattr(type(node), "__module__", "") or ""
     return module.startswith("flax.nnx") and hasattr(node, "get_value")
@@ -74,14 +46,6 @@ def _is_nnx_variable(node: Any) -> bool:
 
 def _unwrap(node: Any) -> Any:
     return node.get_value() if _is_nnx_variable(node) else node
-
-
-def _children(node: Any) -> list[tuple[Any, Any]]:
-    """`node`'s direct children as (key, child): one level of the pytree."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node
-    )
-    return [(path[0], child) for path, child in flat if path]
 
 
 def _scalar(value: Any) -> jax.Array | None:
@@ -137,23 +101,18 @@ def _clip_facts(stats: dict[str, jax.Array], norm: str, threshold: str) -> None:
     _put(stats, f"{base}clip_factor", _common.clip_scale(n, t))
 
 
-def _per_leaf(cls: type, field: str) -> bool:
-    """Whether the field holds a tree (one scalar per update leaf), as its
-    annotation says (`chex.ArrayTree`): a single-array tree's is a scalar too."""
-    annotation = str(getattr(cls, "__annotations__", {}).get(field, ""))
-    return any(word in annotation for word in ("Tree", "Updates", "Params"))
-
-
-def _state_stats(state: Any) -> tuple[dict[str, jax.Array], list[Any]]:
+def _state_stats(
+    state: Any, registered: _states.StateClass
+) -> tuple[dict[str, jax.Array], list[Any]]:
     """One clipax state's statistics (relative keys) and its inner states."""
     stats: dict[str, jax.Array] = {}
     inner = []
     leaf_fields: dict[str, jax.Array] = {}
-    for field in type(state)._fields:
+    for field in registered.fields:
         value = getattr(state, field)
-        if field == INNER_FIELD:
+        if field == registered.inner:
             inner.append(value)
-        elif _per_leaf(type(state), field):
+        elif field in registered.per_leaf:
             for key, stat in _leaf_stats(field, value).items():
                 _put(leaf_fields, key, stat)
         elif (scalar := _scalar(value)) is not None:
@@ -173,9 +132,10 @@ def _join(prefix: str, segment: str) -> str:
 def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
     if node is None or _is_nnx_variable(node) or hasattr(node, "dtype"):
         return
-    if is_clipax_state(node):
-        where = _join(prefix, state_label(type(node)))
-        stats, inner = _state_stats(node)
+    registered = _states.state_class(node)
+    if registered is not None:
+        where = _join(prefix, registered.name)
+        stats, inner = _state_stats(node, registered)
         for name, value in stats.items():
             _put(out, _join(where, name), value)
         for state in inner:
@@ -184,8 +144,8 @@ def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
     cls = type(node)
     fields = getattr(cls, "_fields", None) if isinstance(node, tuple) else None
     label = _WRAPPER_LABELS.get(cls.__name__, _snake(_base_name(cls)))
-    for key, child in _children(node):
-        segment = _common.path_segments((key,))[0]
+    for key, child in _states.children(node)[0]:
+        segment = _states.key_name(key)
         if fields is not None:  # a NamedTuple: a wrapper's inner state(s)
             segment = label if segment.startswith("inner") else segment
         _walk(child, _join(prefix, segment), out)
@@ -198,16 +158,15 @@ def metrics(opt_state: PyTree) -> dict[str, jax.Array]:
     `MultiSteps`, `inject_hyperparams`, `masked`, `partition` /
     `multi_transform` and `apply_if_finite` states, `clipax.skip_spikes`, an
     NNX `nnx.Optimizer` or its `opt_state`) and finds every clipax state in it:
-    every NamedTuple whose class is defined in clipax, so a new clipax
-    transformation is covered without registering it. Its scalar fields become
-    entries, and a field holding one scalar per update leaf (`clip_by_norm`'s
-    `norms`, annotated `chex.ArrayTree` in the class) one entry per leaf; a
-    field named `inner_state` is walked for more clipax states. Arrays of more
-    than one element (`autoclip`'s buffer) are left out: every value is a
-    scalar `jax.Array`, taken from the state as it is, so the call is
-    jittable, cheap and never syncs with the host. The dict goes straight
-    into `wandb.log`, a TensorBoard writer or `print` (there, as into any
-    logger, after `jax.device_get`).
+    an instance of a state class that clipax registers where it defines it.
+    Its scalar fields become entries, and a field registered as holding one
+    scalar per update leaf (`clip_by_norm`'s `norms`) one entry per leaf; a
+    wrapper's inner state (`skip_spikes`'s `inner_state`) is walked for more
+    clipax states. Arrays of more than one element (`autoclip`'s buffer) are
+    left out: every value is a scalar `jax.Array`, taken from the state as it
+    is, so the call is jittable, cheap and never syncs with the host. The dict
+    goes straight into `wandb.log`, a TensorBoard writer or `print` (there, as
+    into any logger, after `jax.device_get`).
 
     Keys are `/`-separated paths that end with the statistic's own name:
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from clipax import _states
+
 PyTree = Any
 
-INNER = "inner_state"
 MISMATCH = (
     "`migrate_state` cannot match the old state to the new one at {path}: {why}. "
     "Nothing was reset silently; build the new chain with the same optimizer (and "
@@ -21,69 +21,24 @@ MISMATCH = (
 )
 
 
-def _clipax_state_classes() -> list[type]:
-    """NamedTuple classes named `*State` that clipax's modules define.
-
-    Looked up each call from the loaded `clipax.*` modules, so that a state
-    class added by any clipax module (such as `skip_spikes`'s) counts without
-    this module importing it.
-    """
-    found: dict[type, None] = {}
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "clipax" or name.startswith("clipax.")):
-            continue
-        for value in vars(module).values():
-            if (
-                isinstance(value, type)
-                and issubclass(value, tuple)
-                and hasattr(value, "_fields")
-                and value.__name__.endswith("State")
-                and value.__module__.startswith("clipax")
-            ):
-                found[value] = None
-    return list(found)
-
-
-def _keyset(node: Any) -> frozenset[str] | None:
-    """The field names a node of clipax's could be recognised by."""
-    if _is_clipax(node):
-        return frozenset(node._fields)
+def _state_class(node: Any) -> _states.StateClass | None:
+    """The registered clipax state class of `node`: its class's, or for a
+    mapping (an orbax restore, an `nnx.State`) the one whose fields are
+    exactly its keys."""
     if isinstance(node, Mapping):
-        return frozenset(str(k) for k in node)
-    return None
+        return _states.restored_state_class(node)
+    return _states.state_class(node)
 
 
-def _clipax_class_of(node: Any) -> type | None:
-    """The clipax state class of `node`: its class, or the one whose fields are
-    exactly the keys of a mapping (an orbax restore, an `nnx.State`)."""
-    if _is_clipax(node):
-        return type(node)
-    keys = _keyset(node)
-    if not keys:
-        return None
-    for cls in _clipax_state_classes():
-        if frozenset(cls._fields) == keys:  # type: ignore[attr-defined]
-            return cls
-    return None
-
-
-def _is_clipax(node: Any) -> bool:
-    cls = type(node)
-    return (
-        isinstance(node, tuple)
-        and hasattr(node, "_fields")
-        and cls.__module__.startswith("clipax")
-    )
-
-
-def _is_wrapper(node: Any) -> bool:
-    cls = _clipax_class_of(node)
-    return cls is not None and INNER in cls._fields  # type: ignore[attr-defined]
+def _inner(node: Any) -> str | None:
+    """The field holding the wrapped state, when `node` is a clipax wrapper's."""
+    registered = _state_class(node)
+    return None if registered is None else registered.inner
 
 
 def _is_statistics(node: Any) -> bool:
-    cls = _clipax_class_of(node)
-    return cls is not None and INNER not in cls._fields  # type: ignore[attr-defined]
+    registered = _state_class(node)
+    return registered is not None and registered.inner is None
 
 
 def _is_empty(node: Any) -> bool:
@@ -95,21 +50,6 @@ def _is_empty(node: Any) -> bool:
 
 def _is_leaf(node: Any) -> bool:
     return isinstance(node, (jax.Array, np.ndarray, np.generic, int, float, complex))
-
-
-def _key_name(key: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """One level of `node`: [(key, child)] and the treedef to rebuild it."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node
-    )
-    return [(path[0], child) for path, child in flat], treedef
 
 
 def _old_children(old: Any, new: Any) -> dict[str, Any] | None:
@@ -128,7 +68,7 @@ def _old_children(old: Any, new: Any) -> dict[str, Any] | None:
         type(old) in (tuple, list) and type(new) in (tuple, list)
     ):
         return None
-    return {_key_name(key): child for key, child in _children(old)[0]}
+    return {_states.key_name(key): child for key, child in _states.children(old)[0]}
 
 
 def _dtype(node: Any) -> Any:
@@ -227,22 +167,24 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
                 "not an array (build it with `new_tx.init(params)`)",
             )
         )
+    new_class, old_class = _state_class(new), _state_class(old)
     if _is_statistics(new) and (
-        _is_empty(old)
-        or (_is_statistics(old) and _clipax_class_of(old) is not _clipax_class_of(new))
+        _is_empty(old) or (_is_statistics(old) and old_class is not new_class)
     ):
         return new  # clipax's statistics that the old chain did not keep
-    same_wrapper = _is_wrapper(new) and _clipax_class_of(old) is _clipax_class_of(new)
-    if _is_wrapper(new) and not same_wrapper:
-        children, treedef = _children(new)
+    new_inner, old_inner = _inner(new), _inner(old)
+    if new_inner is not None and old_class is not new_class:
+        children, treedef = _states.children(new)
         return treedef.unflatten(
             [
-                _migrate(old, child, (*path, key)) if _key_name(key) == INNER else child
+                _migrate(old, child, (*path, key))
+                if _states.key_name(key) == new_inner
+                else child
                 for key, child in children
             ]
         )
-    if _is_wrapper(old) and _clipax_class_of(old) is not _clipax_class_of(new):
-        inner = old[INNER] if isinstance(old, Mapping) else getattr(old, INNER)
+    if old_inner is not None and old_class is not new_class:
+        inner = old[old_inner] if isinstance(old, Mapping) else getattr(old, old_inner)
         return _migrate(inner, new, path)
     by_name = _old_children(old, new)
     if by_name is None:
@@ -253,10 +195,10 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
                 f"state {_describe(old)}",
             )
         )
-    children, treedef = _children(new)
+    children, treedef = _states.children(new)
     out = []
     for key, child in children:
-        name = _key_name(key)
+        name = _states.key_name(key)
         if name in by_name:
             out.append(_migrate(by_name.pop(name), child, (*path, key)))
         elif _is_empty(child) or _is_statistics(child):
@@ -296,15 +238,16 @@ def migrate_state(old_state: PyTree, new_state: PyTree) -> PyTree:
       state holds nothing in their place (optax's `EmptyState`, None); when
       the old state holds the same statistics (a clipax checkpoint), they are
       kept. Going back to optax, clipax's statistics are dropped.
-    - A clipax wrapper state (a clipax state with a field `inner_state`, such
-      as `skip_spikes`'s) in `new_state` that the old state lacks is filled by
-      migrating the whole old state at that place into its `inner_state`; its
-      other fields start fresh. The reverse, a wrapper in the old state only,
-      is unwrapped.
-    - "clipax's own statistics" are recognised generically: instances of
-      NamedTuple classes named `*State` defined in a `clipax` module, or,
-      where the class is gone (orbax's untargeted restore, `nnx.State`), a
-      mapping whose keys are exactly the fields of such a class.
+    - A clipax wrapper state (one that holds the wrapped transformation's
+      state, as `skip_spikes`'s does in `inner_state`) in `new_state` that the
+      old state lacks is filled by migrating the whole old state at that place
+      into its `inner_state`; its other fields start fresh. The reverse, a
+      wrapper in the old state only, is unwrapped.
+    - clipax's states are the instances of the state classes clipax
+      registers (`clipax.ClipByGlobalNormState`, `clipax.ZClipState`, ...,
+      `clipax.SkipSpikesState`), or, where the class is gone (orbax's
+      untargeted restore, `nnx.State`), a mapping whose keys are exactly the
+      fields of one of them.
 
     `old_state` may be the state objects, or what orbax gives back without a
     target (`ocp.StandardCheckpointer().restore(path)`): NamedTuples become

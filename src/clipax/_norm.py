@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
+from clipax import _common, _states
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _norm
 
 
+@_states.register("clip_by_norm", per_leaf=("norms",))
 class ClipByNormState(NamedTuple):
     """State of `clip_by_norm`: each leaf's pre-clip norm at the last update."""
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _adaptive, _common, _states
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 
+@_states.register("skip_spikes", inner="inner_state")
 class SkipSpikesState(NamedTuple):
     """State of `skip_spikes`: the wrapped state and the spike statistics.
 

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive
+from clipax import _adaptive, _states
 from clipax._reduce import AxisName
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
 MODES = ("adaptive", "std")
 
 
+@_states.register("zclip")
 class ZClipState(NamedTuple):
     """State of `zclip`: the norm statistics and what the last update saw."""
 
