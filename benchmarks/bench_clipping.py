@@ -198,7 +198,7 @@ TREES: dict[str, tuple[str, Callable[[], Tree]]] = {
     "gpt2-f32": ("gpt2 124M f32", lambda: gpt2_tree(jnp.float32)),
     "gpt2-bf16": ("gpt2 124M bf16", lambda: gpt2_tree(jnp.bfloat16)),
     "mixed": ("mixed+None", lambda: mixed_tree(200, 300_000)),
-    # Issue 11's goal-1 trees, and model trees sized for a GPU.
+    # More trees of many or large leaves, and model trees sized for a GPU.
     "500x1k": ("500 x 1k f32", lambda: uniform_tree(500, 1000)),
     "100x40k": ("100 x 40k f32", lambda: uniform_tree(100, 40_000)),
     "2x4M": ("2 x 4M f32", lambda: uniform_tree(2, 1 << 22)),

@@ -38,7 +38,18 @@ def page_params() -> list:
 
 def test_the_docs_have_examples() -> None:
     names = {p.name for p in pages_with_examples()}
-    assert {"getting-started.md", "semantics.md", "porting.md"} <= names
+    expected = {"getting-started.md", "semantics.md", "porting.md", "scaling-out.md"}
+    assert expected <= names
+
+
+def test_readme_links_resolve() -> None:
+    """Every relative link in README.md names a file of the repository."""
+    root = DOCS.parent
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (root / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert local, "README.md links nothing"
+    missing = [link for link in local if not (root / link).exists()]
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("page", page_params())
