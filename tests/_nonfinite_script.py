@@ -16,7 +16,9 @@ import clipax
 
 
 def main() -> None:
-    mesh = jax.make_mesh((8,), ("d",))
+    # Explicit axes, JAX's default since 0.9, named so that older JAX gives the
+    # same mesh and prints no DeprecationWarning about the default.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     specs = {"w": P("d"), "b": P()}
     w = np.ones((8, 4), np.float32)
     bad = {"w": w, "b": np.array([1.0, np.nan], np.float32)}

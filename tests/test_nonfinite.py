@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import clipax
-from clipax import _nonfinite
 from tests.helpers import run_script
 
 SCRIPT = pathlib.Path(__file__).with_name("_nonfinite_script.py")
@@ -51,12 +53,74 @@ def test_under_jit_with_nonfinite_errors(caplog: pytest.LogCaptureFixture) -> No
     np.testing.assert_allclose(state.norm, np.sqrt(8.0), rtol=1e-6)
 
 
+def _replace_failed_runtime_tokens() -> None:
+    """Runs an effectful no-op on every local device.
+
+    JAX raises a failed step's error again at interpreter exit ("Exception
+    ignored in atexit callback") unless a later computation with a callback
+    ran on the same devices; this is that computation, so that the tests that
+    let a check fail without the wrapper leave nothing to print at exit.
+    """
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    x = jax.device_put(np.zeros(len(devices)), NamedSharding(mesh, P("all")))
+
+    def no_op(x: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda _: None, x, partitioned=True)
+        return x
+
+    jax.block_until_ready(jax.jit(no_op)(x))
+
+
 def test_without_the_wrapper_jax_raises_its_runtime_error() -> None:
     tx = clipax.clip_by_global_norm(1.0, nonfinite="error")
     match = "NonFiniteError: clip_by_global_norm: " + LEAF_B
     with pytest.raises(jax.errors.JaxRuntimeError, match=match):
         jax.block_until_ready(jax.jit(tx.update)(BAD, tx.init(BAD)))
-    _nonfinite._forget_failed_tokens()  # or JAX prints it again at exit
+    _replace_failed_runtime_tokens()
+
+
+@pytest.mark.parametrize("wrapped_error", [None, ZeroDivisionError])
+def test_once_the_wrapper_returns_the_check_raises_to_jax_again(
+    wrapped_error: type[Exception] | None,
+) -> None:
+    """The wrapper changes what a failed check does only while it waits: after
+    it returned or raised (clipax's error or another), a step run without it
+    fails as JAX makes it fail."""
+    tx = clipax.clip_by_global_norm(1.0, nonfinite="error")
+    step = jax.jit(tx.update)
+
+    def wrapped_run() -> Any:
+        out = step(BAD, tx.init(BAD))
+        if wrapped_error is not None:
+            raise wrapped_error
+        return out
+
+    expected = wrapped_error or clipax.NonFiniteError
+    with pytest.raises(expected):
+        clipax.nonfinite_errors(wrapped_run)()
+    with pytest.raises(jax.errors.JaxRuntimeError, match=LEAF_B):
+        jax.block_until_ready(step(BAD, tx.init(BAD)))
+    _replace_failed_runtime_tokens()
+    good = {"w": jnp.ones(3), "b": jnp.array([1.0, 2.0])}
+    _, state = clipax.nonfinite_errors(step)(good, tx.init(good))
+    np.testing.assert_allclose(state.norm, np.sqrt(8.0), rtol=1e-6)
+
+
+def test_a_runtime_error_that_carries_the_error_becomes_it() -> None:
+    """What JAX raises for a step that ran without the wrapper, if it reaches
+    the wrapper (as a broken step's outputs can, where dispatch is async)."""
+
+    def broken() -> None:
+        raise jax.errors.JaxRuntimeError(
+            "INTERNAL: CpuCallback error calling callback: Traceback ...\n"
+            "clipax.NonFiniteError: clip_by_global_norm: the leaf at ['b'] holds "
+            "NaN or inf (nonfinite='error').\n"
+        )
+
+    with pytest.raises(clipax.NonFiniteError, match=LEAF_B) as info:
+        clipax.nonfinite_errors(broken)()
+    assert str(info.value).endswith("(nonfinite='error').")
 
 
 def test_other_errors_pass_the_wrapper_unchanged() -> None:

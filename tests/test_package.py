@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import pathlib
+import re
 
 import optax
+import pytest
 
 import clipax
 
@@ -47,3 +50,78 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(commands) == 2, commands
     assert "examples/quickstart.py" in commands[0]
     assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+
+
+# A private name in JAX's packages: a dotted path below jax or jaxlib with a part
+# that starts with one underscore (`jax._src.dispatch`, `jaxlib._jax`); dunders
+# such as `jax.__version__` are public.
+_PRIVATE_PART = re.compile(r"^_(?!_)")
+_JAX_PATH = re.compile(r"\bjax(?:lib)?(?:\.\w+)+")
+
+
+def _private_jax_uses(source: str) -> list[str]:
+    """Every private JAX module or attribute that `source` imports, reaches or
+    names in a string (a module path given to `importlib` or `logging`)."""
+    tree = ast.parse(source)
+    roots: dict[str, str] = {}  # local name -> the jax path it is bound to
+    found = []
+
+    def check(dotted: str) -> None:
+        parts = dotted.split(".")
+        if parts[0] in ("jax", "jaxlib") and any(
+            _PRIVATE_PART.match(part) for part in parts[1:]
+        ):
+            found.append(dotted)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                check(alias.name)
+                local = alias.asname or alias.name.split(".")[0]
+                roots[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                check(f"{node.module}.{alias.name}")
+                roots[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            for dotted in _JAX_PATH.findall(node.value):
+                check(dotted)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain: list[str] = []
+            value: ast.expr = node
+            while isinstance(value, ast.Attribute):
+                chain.insert(0, value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in roots:
+                check(".".join([roots[value.id], *chain]))
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from jax._src import dispatch",
+        "import jax._src.dispatch",
+        "from jax import _src",
+        "import jax\njax._src.dispatch.runtime_tokens.clear()",
+        "import jax.numpy as jnp\njnp._src",
+        "import logging\nlogging.getLogger('jax._src.debugging')",
+        "import importlib\nimportlib.import_module('jaxlib._jax')",
+    ],
+)
+def test_the_private_module_check_finds(source: str) -> None:
+    assert _private_jax_uses(source), source
+
+
+def test_src_uses_no_private_jax_module() -> None:
+    """clipax uses JAX's public API only: a JAX release that moves a private
+    module must not break it."""
+    src = pathlib.Path(clipax.__file__).parent
+    files = sorted(src.rglob("*.py"))
+    assert len(files) > 10, files
+    for path in files:
+        text = path.read_text()
+        assert not _private_jax_uses(text), (path.name, _private_jax_uses(text))
+    public = "import jax\nfrom jax import lax, tree_util\njax.__version__\nlax.psum"
+    assert not _private_jax_uses(public)

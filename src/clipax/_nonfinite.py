@@ -1,17 +1,19 @@
 """`nonfinite="error"`: the error clipax raises, and how it reaches the user.
 
-Under `jax.jit` the check runs on the host through `jax.debug.callback`; JAX
-then stops the program with a `jax.errors.JaxRuntimeError` whose message holds
-ours. `nonfinite_errors` turns that back into a `NonFiniteError` (a
-`FloatingPointError`), and a logging filter keeps JAX from logging the
-callback's traceback, which the user sees once, in the exception.
+Under `jax.jit` the check runs on the host through `jax.debug.callback`. While
+a `nonfinite_errors` wrapper waits on a step, the check records its error
+instead of raising it and the wrapper raises it once the step is done: the
+jitted program then ends normally, so JAX logs nothing and keeps no failed
+state to report at interpreter exit. Anywhere else the check raises, and JAX
+stops the program with a `jax.errors.JaxRuntimeError` whose message holds
+ours.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import re
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,9 +37,9 @@ class NonFiniteError(FloatingPointError):
 
     A `FloatingPointError`, so `except FloatingPointError` catches it. Eagerly
     it is raised as is; under `jax.jit`, wrap the jitted step in
-    `clipax.nonfinite_errors` to receive it (JAX itself raises it as a
-    `jax.errors.JaxRuntimeError`). The message names the first leaf, by its
-    path, that holds NaN or inf.
+    `clipax.nonfinite_errors` to receive it (without the wrapper JAX raises it
+    as a `jax.errors.JaxRuntimeError`). The message names the first leaf, by
+    its path, that holds NaN or inf.
 
     Example:
       >>> import jax.numpy as jnp
@@ -55,25 +57,17 @@ class NonFiniteError(FloatingPointError):
 NonFiniteError.__module__ = "clipax"  # as users name it: clipax.NonFiniteError
 
 
-class _DropNonFiniteLogs(logging.Filter):
-    """Drops JAX's log record of a callback that raised a `NonFiniteError`.
+class _Waiting:
+    """How many `nonfinite_errors` calls are waiting on a step, and the errors
+    that the host checks met meanwhile (the checks run on JAX's threads)."""
 
-    JAX logs every exception a `jax.debug.callback` raises, with its traceback,
-    at ERROR level, before stopping the program. For clipax's own error that
-    log repeats the exception the user receives: this filter drops it, and
-    only it.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, NonFiniteError)
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.errors: list[NonFiniteError] = []
 
 
-_FILTER = _DropNonFiniteLogs()
-for _name in ("jax._src.debugging", "jax._src.callback"):
-    _logger = logging.getLogger(_name)
-    if _FILTER not in _logger.filters:
-        _logger.addFilter(_FILTER)
+_WAITING = _Waiting()
 
 
 def check_host_callback() -> None:
@@ -85,36 +79,20 @@ def check_host_callback() -> None:
         raise ValueError(NO_HOST.format(platforms=platforms)) from error
 
 
+def raise_or_record(error: NonFiniteError) -> None:
+    """What the host check does with its error: records it for a waiting
+    `nonfinite_errors` call, or, when none waits, raises it (to JAX)."""
+    with _WAITING.lock:
+        if _WAITING.count:
+            _WAITING.errors.append(error)
+            return
+    raise error
+
+
 def from_runtime_error(error: BaseException) -> NonFiniteError | None:
     """The `NonFiniteError` that a `JaxRuntimeError` carries, if it carries one."""
     found = _MESSAGE.search(str(error))
     return NonFiniteError(found.group(1)) if found else None
-
-
-def _forget_failed_tokens() -> None:
-    """Drops JAX's runtime tokens that hold clipax's error, and only those.
-
-    JAX keeps the token of the last computation on each device and waits for
-    them all at interpreter exit; a token whose computation failed raises
-    again there and is printed as "Exception ignored in atexit callback". The
-    error has been raised to the user already, so its tokens are dropped.
-    This reaches into `jax._src.dispatch`, JAX's private module: if it
-    changes, the only cost is the message at exit.
-    """
-    try:
-        from jax._src import dispatch
-
-        tokens = dispatch.runtime_tokens
-        tables = (tokens.current_tokens, tokens.output_runtime_tokens)
-    except (ImportError, AttributeError):  # another JAX: leave the tokens
-        return
-    for table in tables:
-        for key, token in list(table.items()):
-            try:
-                token.block_until_ready()
-            except jax.errors.JaxRuntimeError as error:
-                if from_runtime_error(error) is not None:
-                    del table[key]
 
 
 def nonfinite_errors(fn: F) -> F:
@@ -123,14 +101,19 @@ def nonfinite_errors(fn: F) -> F:
     Wrap the jitted training step (or any function that runs a clipax
     transformation with `nonfinite="error"`): the wrapped function waits for
     `fn`'s outputs (`jax.block_until_ready`), so that the error is raised at
-    the call that met the broken step, and turns the `jax.errors.JaxRuntimeError`
-    by which JAX stops a jitted program into the `NonFiniteError` (a
-    `FloatingPointError`) that clipax raised on the host; other errors pass
-    unchanged. This works under `jax.jit`, on sharded arrays and with several
-    processes (each process raises it). Waiting for every step costs the
-    overlap of host and device that asynchronous dispatch gives; use
-    `nonfinite="error"` to find a broken step, and `optax.apply_if_finite` or
-    the state's `nonfinite_count` in long runs.
+    the call that met the broken step, as a `NonFiniteError` (a
+    `FloatingPointError`). While it waits, clipax's host checks record their
+    error instead of raising it, so the jitted program ends normally: JAX logs
+    nothing and has nothing to report at interpreter exit. A
+    `jax.errors.JaxRuntimeError` that carries a clipax error (a step run
+    without the wrapper) is turned into the `NonFiniteError` too; other errors
+    pass unchanged. This works under `jax.jit`, on sharded arrays and with
+    several processes (each process raises it); with steps running in several
+    threads at once, an error goes to whichever waiting call ends first.
+    Waiting for every step costs the overlap of host and device that
+    asynchronous dispatch gives; use `nonfinite="error"` to find a broken
+    step, and `optax.apply_if_finite` or the state's `nonfinite_count` in long
+    runs.
 
     Args:
       fn: the function to wrap, typically `jax.jit(train_step)`.
@@ -154,13 +137,24 @@ def nonfinite_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        # Counted before `fn` dispatches: on CPU the checks can run inside
+        # that call. A step's outputs are ready only after its host
+        # callbacks have returned, so once they are, its errors are in.
+        with _WAITING.lock:
+            _WAITING.count += 1
         try:
-            return jax.block_until_ready(fn(*args, **kwargs))
+            out = jax.block_until_ready(fn(*args, **kwargs))
         except jax.errors.JaxRuntimeError as error:
             converted = from_runtime_error(error)
             if converted is None:
                 raise
-            _forget_failed_tokens()
             raise converted from None
+        finally:
+            with _WAITING.lock:
+                _WAITING.count -= 1
+                met, _WAITING.errors = _WAITING.errors, []
+        if met:
+            raise met[0]
+        return out
 
     return wrapped  # type: ignore[return-value]

@@ -34,15 +34,15 @@ def _norm_of(
     return flat, _reduce.global_norm([leaf for _, leaf in flat], p, placements)
 
 
-def _raise_for_nonfinite(paths: list[str], finite: Any) -> None:
-    """`nonfinite="error"`: names the first non-finite leaf (on the host)."""
+def _nonfinite_error(paths: list[str], finite: Any) -> _nonfinite.NonFiniteError:
+    """`nonfinite="error"`: the error naming the first non-finite leaf."""
     for path, ok in zip(paths, finite, strict=True):
         if not ok:
-            raise _nonfinite.NonFiniteError(
+            return _nonfinite.NonFiniteError(
                 f"clip_by_global_norm: the leaf at {path} holds NaN or inf "
                 f"{_nonfinite.MARKER}."
             )
-    raise _nonfinite.NonFiniteError(
+    return _nonfinite.NonFiniteError(
         "clip_by_global_norm: the global norm is not finite although every leaf "
         f"is: it exceeds the largest float32 {_nonfinite.MARKER}."
     )
@@ -59,15 +59,15 @@ def _raise_if_nonfinite(flat: list[tuple[Any, Any]], finite: jax.Array) -> None:
     if not _common.is_traced(finite):  # eagerly: raise here, no callback
         if not _host_bool(finite):
             flags = [_host_bool(jnp.all(jnp.isfinite(x))) for _, x in flat] or [False]
-            _raise_for_nonfinite(paths, flags)
+            raise _nonfinite_error(paths, flags)
         return
     leaf_finite = jnp.stack(
         [jnp.all(jnp.isfinite(leaf)) for _, leaf in flat] or [finite]
     )
 
     def check(ok: jax.Array, flags: jax.Array) -> None:
-        if not ok:
-            _raise_for_nonfinite(paths, flags)
+        if not ok:  # raised to JAX, or kept for a waiting `nonfinite_errors`
+            _nonfinite.raise_or_record(_nonfinite_error(paths, flags))
 
     # partitioned: every device runs the check on its copy of these replicated
     # flags, so that every process of a multi-process job raises, not only the
@@ -168,11 +168,11 @@ def clip_by_global_norm(
         stops with `clipax.NonFiniteError` (a `FloatingPointError`) naming the
         first leaf, by path, that holds NaN or inf. Under `jax.jit` the check
         runs through `jax.debug.callback` on every device (the one place where
-        clipax calls back to the host, and only when asked to), and JAX stops
-        the program with a `jax.errors.JaxRuntimeError`: wrap the jitted step in
-        `clipax.nonfinite_errors` to receive the `NonFiniteError`. It needs
-        JAX's CPU backend for the callback; without one, `"error"` is a
-        `ValueError` when given.
+        clipax calls back to the host, and only when asked to): wrap the
+        jitted step in `clipax.nonfinite_errors` to receive the
+        `NonFiniteError`; without the wrapper, JAX stops the program with a
+        `jax.errors.JaxRuntimeError`. It needs JAX's CPU backend for the
+        callback; without one, `"error"` is a `ValueError` when given.
 
     Returns:
       `(clipped_tree, norm)`, `norm` being the pre-clip global norm (float32, or
@@ -184,9 +184,9 @@ def clip_by_global_norm(
       TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
         array.
       clipax.NonFiniteError: (a `FloatingPointError`) with `nonfinite="error"`,
-        for a NaN or inf norm, when called eagerly; under `jax.jit`, JAX raises
-        it as a `jax.errors.JaxRuntimeError` whose message ends with this
-        error's, which `clipax.nonfinite_errors` turns back into it.
+        for a NaN or inf norm, when called eagerly, or under `jax.jit` out of
+        `clipax.nonfinite_errors`; without that wrapper, JAX raises a
+        `jax.errors.JaxRuntimeError` whose message ends with this error's.
 
     Example:
       >>> import jax.numpy as jnp
