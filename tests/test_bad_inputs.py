@@ -346,6 +346,31 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         ValueError,
         r"the leaf at \['w'\] has shape \(2, 3\)",
     ),
+    # Peers' calls: a name with its alias, an ignored argument of the wrong kind.
+    (
+        "max_norm and its alias clip_norm",
+        lambda t: clipax.tree.clip_by_global_norm(t, 1.0, clip_norm=2.0),
+        TypeError,
+        r"`max_norm` and `clip_norm`",
+    ),
+    (
+        "foreach not a flag",
+        lambda t: clipax.tree.global_norm(t, foreach=np.ones(2)),
+        TypeError,
+        r"ignores `foreach`.*None, a bool or a string",
+    ),
+    (
+        "squared not a bool",
+        lambda t: clipax.tree.global_norm(t, 2, "yes"),
+        TypeError,
+        r"`squared` must be True or False; got 'yes'",
+    ),
+    (
+        "global_norm nonfinite unknown",
+        lambda t: clipax.tree.global_norm(t, nonfinite="zero"),
+        ValueError,
+        r"`nonfinite` must be one of \(None, 'error'\).*'zero'",
+    ),
 ]
 
 
