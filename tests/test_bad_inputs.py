@@ -315,6 +315,24 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`warmup_steps`.*0",
     ),
     (
+        "zclip clip_option with mode std",
+        lambda t: clipax.zclip(mode="std", clip_option="mean"),
+        ValueError,
+        r"`clip_option`.*'mean'",
+    ),
+    (
+        "zclip clip_factor where it means nothing",
+        lambda t: clipax.zclip(clip_option="mean", clip_factor=0.5),
+        ValueError,
+        r"`clip_factor`.*0\.5",
+    ),
+    (
+        "zclip skip_update_on_spike not a bool",
+        lambda t: clipax.zclip(skip_update_on_spike="yes"),
+        TypeError,
+        r"`skip_update_on_spike`.*'yes'",
+    ),
+    (
         "AGC clipping negative",
         lambda t: clipax.adaptive_grad_clip(-1.0),
         ValueError,
