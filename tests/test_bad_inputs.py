@@ -315,6 +315,24 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`warmup_steps`.*0",
     ),
     (
+        "zclip clip_option with mode std",
+        lambda t: clipax.zclip(mode="std", clip_option="mean"),
+        ValueError,
+        r"`clip_option`.*'mean'",
+    ),
+    (
+        "zclip clip_factor where it means nothing",
+        lambda t: clipax.zclip(clip_option="mean", clip_factor=0.5),
+        ValueError,
+        r"`clip_factor`.*0\.5",
+    ),
+    (
+        "zclip skip_update_on_spike not a bool",
+        lambda t: clipax.zclip(skip_update_on_spike="yes"),
+        TypeError,
+        r"`skip_update_on_spike`.*'yes'",
+    ),
+    (
         "AGC clipping negative",
         lambda t: clipax.adaptive_grad_clip(-1.0),
         ValueError,
@@ -345,6 +363,31 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         lambda t: clipax.tree.per_example_global_norm_clip(t, 1.0),
         ValueError,
         r"the leaf at \['w'\] has shape \(2, 3\)",
+    ),
+    # Peers' calls: a name with its alias, an ignored argument of the wrong kind.
+    (
+        "max_norm and its alias clip_norm",
+        lambda t: clipax.tree.clip_by_global_norm(t, 1.0, clip_norm=2.0),
+        TypeError,
+        r"`max_norm` and `clip_norm`",
+    ),
+    (
+        "foreach not a flag",
+        lambda t: clipax.tree.global_norm(t, foreach=np.ones(2)),
+        TypeError,
+        r"ignores `foreach`.*None, a bool or a string",
+    ),
+    (
+        "squared not a bool",
+        lambda t: clipax.tree.global_norm(t, 2, "yes"),
+        TypeError,
+        r"`squared` must be True or False; got 'yes'",
+    ),
+    (
+        "global_norm nonfinite unknown",
+        lambda t: clipax.tree.global_norm(t, nonfinite="zero"),
+        ValueError,
+        r"`nonfinite` must be one of \(None, 'error'\).*'zero'",
     ),
 ]
 

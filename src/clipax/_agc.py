@@ -102,7 +102,7 @@ def _check_eps(eps: Any) -> None:
 
 
 def adaptive_grad_clip(
-    clipping: ArrayLike, *, eps: ArrayLike = 1e-3, axis: Any = None
+    clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Any = None
 ) -> optax.GradientTransformation:
     """Clips each unit of the updates to `clipping` times its parameter's norm.
 
@@ -120,7 +120,9 @@ def adaptive_grad_clip(
     float64 leaves) and each leaf keeps its dtype; optax squares in the leaf's
     own dtype, which for float16 or bfloat16 can overflow. A unit whose update
     norm is NaN or inf comes back all NaN. None and `optax.MaskedNode` update
-    leaves come back in place, whatever the parameters hold there.
+    leaves come back in place, whatever the parameters hold there. The
+    arguments are optax's, in its order: `adaptive_grad_clip(0.01, 1e-3)`
+    works as in optax.
 
     Args:
       clipping: the largest ratio of a unit's update norm to its parameter

@@ -1,9 +1,9 @@
 """Checks and numerics shared by every clipping rule.
 
-Each rule of DESIGN.md lives here once: how arguments are validated, which dtype
-norms accumulate in, how a norm is taken, and how a clip factor is formed and
-applied. The public functions in `clipax.tree` and the transformations compose
-these pieces.
+Each rule of the semantics page (docs/semantics.md) lives here once: how
+arguments are validated, which dtype norms accumulate in, how a norm is taken,
+and how a clip factor is formed and applied. The public functions in
+`clipax.tree` and the transformations compose these pieces.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ PyTree = Any
 KeyPath = tuple[Any, ...]
 
 ORD_ACCEPTED = "1, 2, inf, or a real number p >= 1"
+ORD_INF_NAMES = ("inf", "infinity")  # optax's and PyTorch's spellings
 THRESHOLD_TYPES = "a real number, a NumPy or JAX scalar, or a traced value"
 ARRAY_LEAVES = (
     "clipax takes trees of arrays (jax.Array, numpy.ndarray, NumPy scalars or "
@@ -161,12 +162,17 @@ STATIC_HINT = (
 def check_ord(ord: Any) -> float:
     """Returns `ord` as a float p >= 1 (inf allowed; None means 2).
 
+    The strings `"inf"` and `"infinity"` (any case) mean inf, as in
+    `optax.tree.norm` and PyTorch's `norm_type`.
+
     Raises:
       TypeError: if `ord` is a traced value.
       ValueError: if `ord` is not accepted.
     """
     if ord is None:
         return 2.0
+    if isinstance(ord, str) and ord.lower() in ORD_INF_NAMES:
+        return math.inf
     if is_traced(ord):
         raise TypeError(f"`ord` got a traced value; {STATIC_HINT}.")
     real_array = (

@@ -10,6 +10,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common, _states
+from clipax._peers import peer_names
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
@@ -34,13 +35,18 @@ class ClipByGlobalNormState(NamedTuple):
     # update (inf before any), so `clipax.metrics` can tell whether it clipped
 
 
+@peer_names(
+    {"clip_norm": "max_norm", "norm_type": "ord", "error_if_nonfinite": "nonfinite"},
+    ignored=["foreach", "name"],
+)
 def clip_by_global_norm(
     max_norm: ArrayLike,
+    ord: float | str | None = None,
+    nonfinite: str | bool = "nan",
+    foreach: bool | None = None,
     *,
-    ord: float | None = None,
     axis_name: AxisName = None,
     specs: Any = None,
-    nonfinite: str = "nan",
 ) -> optax.GradientTransformation:
     """Scales the updates so that their global norm is at most `max_norm`.
 
@@ -54,19 +60,32 @@ def clip_by_global_norm(
     log it with `optax.tree.get(opt_state, "norm")` at no extra cost; the state
     also counts the updates whose norm was not finite.
 
+    It takes the call of `optax.clip_by_global_norm`, and the arguments of
+    `torch.nn.utils.clip_grad_norm_` after the parameters, in PyTorch's order
+    and under PyTorch's names too: `clip_by_global_norm(1.0, 2.0, True)` is
+    `clip_grad_norm_(params, 1.0, 2.0, True)`. TensorFlow's `clip_norm` and
+    `name` are accepted by keyword; its `use_norm` belongs to
+    `clipax.tree.clip_by_global_norm`.
+
     Args:
       max_norm: the largest global norm allowed: a positive scalar of any
         dtype, `inf`, or a traced value (as under `optax.inject_hyperparams`).
-      ord: the norm's order: None (the default) or 2 for L2, 1, `inf`, or any
-        real p >= 1. The default is None rather than 2 so that
+        TensorFlow's `clip_norm`.
+      ord: the norm's order: None (the default) or 2 for L2, 1, `inf` (also
+        the strings `"inf"` and `"infinity"`), or any real p >= 1 (PyTorch's
+        `norm_type`). The default is None rather than 2 so that
         `optax.inject_hyperparams` leaves it static; to pass an `ord` through
         `inject_hyperparams`, name it in `static_args`.
+      nonfinite: `"nan"` (default), `"zero"` or `"error"`: what an update with
+        a NaN or inf norm becomes (see `clipax.tree.clip_by_global_norm`).
+        PyTorch's `error_if_nonfinite`: True is `"error"`, False `"nan"`.
+      foreach: PyTorch's choice of kernels: accepted and ignored (XLA fuses
+        the per-leaf work under `jax.jit`). TensorFlow's `name` is also
+        accepted, by keyword, and ignored.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
         is split over (see `clipax.tree.global_norm`).
       specs: inside `shard_map`, the `in_specs` of the updates: a prefix tree
         of PartitionSpecs (see `clipax.tree.global_norm`).
-      nonfinite: `"nan"` (default), `"zero"` or `"error"`: what an update with
-        a NaN or inf norm becomes (see `clipax.tree.clip_by_global_norm`).
 
     Returns:
       An `optax.GradientTransformation` whose state is a
@@ -75,7 +94,8 @@ def clip_by_global_norm(
     Raises:
       ValueError: at construction, if `max_norm`, `ord`, `axis_name` or
         `nonfinite` is not accepted.
-      TypeError: if `ord` is traced.
+      TypeError: if `ord` is traced, an argument is given under two of its names
+        (clipax's and a peer's), or `foreach` or `name` is not None, a bool or a string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -94,10 +114,11 @@ def clip_by_global_norm(
       Pascanu et al., `On the difficulty of training recurrent neural networks
       <https://arxiv.org/abs/1211.5063>`_, 2012.
     """
+    del foreach  # means nothing in JAX
     _common.check_max_norm("max_norm", max_norm)
     p = _common.check_ord(ord)
     normalize_axis_name(axis_name)
-    _global_norm.check_nonfinite(nonfinite)
+    nonfinite = _global_norm.check_nonfinite(nonfinite)
 
     def init_fn(params: optax.Params) -> ClipByGlobalNormState:
         flat = _common.check_norm_leaves(params, "clip_by_global_norm")

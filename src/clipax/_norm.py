@@ -11,6 +11,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common, _states
+from clipax._peers import peer_names
 from clipax._reduce import AxisName, normalize_axis_name
 from clipax.tree import _norm
 
@@ -22,10 +23,12 @@ class ClipByNormState(NamedTuple):
     norms: chex.ArrayTree  # the updates' tree with a float32 scalar per leaf
 
 
+@peer_names({"clip_norm": "max_norm"}, ignored=["name"])
 def clip_by_norm(
     max_norm: ArrayLike,
-    *,
     axes: Any = None,
+    name: str | None = None,
+    *,
     axis_name: AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -34,13 +37,15 @@ def clip_by_norm(
     The transformation form of `clipax.tree.clip_by_norm` (`tf.clip_by_norm`,
     Keras `clipnorm`). Its state keeps one scalar per leaf: the leaf's pre-clip
     norm, or with `axes` the largest norm among its slices, for logging
-    with `optax.tree.get(opt_state, "norms")`.
+    with `optax.tree.get(opt_state, "norms")`. It takes the arguments of
+    `tf.clip_by_norm` after the tensor, under their TensorFlow names too.
 
     Args:
       max_norm: the largest norm allowed for each leaf (or slice): a positive
-        scalar, `inf`, or a traced value.
+        scalar, `inf`, or a traced value (TensorFlow's `clip_norm`).
       axes: None (each whole leaf), an int, or a sequence of distinct ints: the
         axes each norm is taken over, for every leaf.
+      name: TensorFlow's name for the operation: accepted and ignored.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
         is split over; only with `axes=None`.
       specs: inside `shard_map`, the `in_specs` of the updates (see
@@ -52,8 +57,9 @@ def clip_by_norm(
     Raises:
       ValueError: at construction if `max_norm` or `axes` is not accepted; at
         `init` if `axes` is out of range for a leaf (naming its path and shape).
-      TypeError: at `init` if a leaf is not a float16, bfloat16, float32,
-        float64 or complex array.
+      TypeError: at `init` if a leaf is not a float16, bfloat16, float32, float64 or
+        complex array; at construction if an argument is given under two of its names
+        (clipax's and a peer's), or `name` is not None, a bool or a string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -68,6 +74,7 @@ def clip_by_norm(
       >>> state.norms["a"]
       Array(5., dtype=float32)
     """
+    del name  # means nothing in JAX
     _common.check_max_norm("max_norm", max_norm)
     axes = _common.normalize_axes(axes)
     normalize_axis_name(axis_name)

@@ -11,6 +11,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _common
+from clipax._peers import peer_names
 from clipax.tree import _value
 
 MAX_DELTA_ACCEPTED = (
@@ -18,26 +19,34 @@ MAX_DELTA_ACCEPTED = (
 )
 
 
+@peer_names(
+    {"clip_value_min": "min_value", "clip_value_max": "max_value"}, ignored=["name"]
+)
 def clip_by_value(
-    min_value: ArrayLike, max_value: ArrayLike
+    min_value: ArrayLike, max_value: ArrayLike, name: str | None = None
 ) -> optax.GradientTransformation:
     """Clamps every update element to `[min_value, max_value]`.
 
     The transformation form of `clipax.tree.clip_by_value` (`tf.clip_by_value`):
     asymmetric bounds, scalars or arrays that broadcast to the leaves; NaN stays
-    NaN and +-inf map to the bounds. Stateless.
+    NaN and +-inf map to the bounds. Stateless. It takes the arguments of
+    `tf.clip_by_value` after the tensor, under their TensorFlow names too.
 
     Args:
-      min_value: the lower bound, concrete or traced.
+      min_value: the lower bound, concrete or traced (TensorFlow's
+        `clip_value_min`).
       max_value: the upper bound; where both are concrete, `min_value <=
-        max_value`.
+        max_value` (TensorFlow's `clip_value_max`).
+      name: TensorFlow's name for the operation: accepted and ignored.
 
     Returns:
       An `optax.GradientTransformation` with `optax.EmptyState`.
 
     Raises:
       ValueError: at construction, if a bound is NaN or `min_value > max_value`.
-      TypeError: at construction, if a bound is not a real number or array.
+      TypeError: at construction, if a bound is not a real number or array, an argument
+        is given under two of its names (clipax's and a peer's), or `name` is not None,
+        a bool or a string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -47,31 +56,40 @@ def clip_by_value(
       >>> updates["w"]
       Array([-1. ,  0.5,  2. ], dtype=float32)
     """
+    del name  # means nothing in JAX
     _common.check_bounds(min_value, max_value)
     return optax.stateless(
         lambda updates, params: _value.clip_by_value(updates, min_value, max_value)
     )
 
 
-def clip(max_delta: ArrayLike) -> optax.GradientTransformation:
+@peer_names({"clip_value": "max_delta"}, ignored=["foreach"])
+def clip(
+    max_delta: ArrayLike, foreach: bool | None = None
+) -> optax.GradientTransformation:
     """Clamps every update element to `[-max_delta, max_delta]`.
 
     The symmetric shorthand for `clip_by_value(-max_delta, max_delta)`, the
     drop-in for `optax.clip`, `torch.nn.utils.clip_grad_value_` and Keras
-    `clipvalue`.
+    `clipvalue`. It takes the call of `optax.clip`, and the arguments of
+    `clip_grad_value_` after the parameters, under their PyTorch names too.
 
     Args:
       max_delta: the largest absolute value allowed: >= 0 (0 zeroes every
         update), a scalar or an array that broadcasts to the leaves, concrete or
-        traced.
+        traced (PyTorch's `clip_value`).
+      foreach: PyTorch's choice of kernels: accepted and ignored (XLA fuses
+        the work under `jax.jit`).
 
     Returns:
       An `optax.GradientTransformation` with `optax.EmptyState`.
 
     Raises:
       ValueError: at construction, if `max_delta` is negative or NaN.
-      TypeError: at construction, if `max_delta` is not a real number, a
-        NumPy or JAX scalar or array, or a traced value (a list, say).
+      TypeError: at construction, if `max_delta` is not a real number, a NumPy or JAX
+        scalar or array, or a traced value (a list, say); if an argument is given under
+        two of its names (clipax's and a peer's); or if `foreach` is not None, a bool or
+        a string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -81,6 +99,7 @@ def clip(max_delta: ArrayLike) -> optax.GradientTransformation:
       >>> updates["w"]
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
+    del foreach  # means nothing in JAX
     if _common.is_traced(max_delta):
         return clip_by_value(-max_delta, max_delta)  # type: ignore[operator]
     arrays = (np.ndarray, np.generic, jax.Array)

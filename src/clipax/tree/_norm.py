@@ -9,6 +9,7 @@ import jax
 from jax.typing import ArrayLike
 
 from clipax import _common, _reduce
+from clipax._peers import peer_names
 
 # Jitted, so that leaves (or stacks) of one shape and dtype share one trace
 # (see `_reduce._plain_sum`).
@@ -60,11 +61,13 @@ def clip_by_norm_with_norms(
     return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, peaks)
 
 
+@peer_names({"t": "tree", "clip_norm": "max_norm"}, ignored=["name"])
 def clip_by_norm(
     tree: chex.ArrayTree,
     max_norm: ArrayLike,
-    *,
     axes: Any = None,
+    name: str | None = None,
+    *,
     axis_name: _reduce.AxisName = None,
     specs: Any = None,
 ) -> chex.ArrayTree:
@@ -75,15 +78,18 @@ def clip_by_norm(
     other axes is clipped on its own (`axes=1` on a matrix clips each row).
     The rules of `clipax.tree.clip_by_global_norm` hold for each leaf or slice:
     no epsilon, unchanged at or below the threshold and at norm 0, all NaN when
-    its norm is NaN or inf, float32 accumulation, dtypes kept.
+    its norm is NaN or inf, float32 accumulation, dtypes kept. It takes the
+    call of `tf.clip_by_norm`, under its TensorFlow names too.
 
     Args:
       tree: a pytree of float16, bfloat16, float32, float64 or complex arrays; None
-        and `optax.MaskedNode` leaves are empty and come back in place.
+        and `optax.MaskedNode` leaves are empty and come back in place
+        (TensorFlow's `t`).
       max_norm: the largest norm allowed for each leaf or slice: a positive
-        scalar, `inf`, or a traced value.
+        scalar, `inf`, or a traced value (TensorFlow's `clip_norm`).
       axes: None (the whole leaf), an int, or a sequence of distinct ints
         (negative ones count from the end), applied to every leaf.
+      name: TensorFlow's name for the operation: accepted and ignored.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is split
         over; only with `axes=None`.
       specs: inside `shard_map`, the `in_specs` of `tree` (a prefix tree of
@@ -97,7 +103,8 @@ def clip_by_norm(
       ValueError: if `max_norm` or `axes` is not accepted, or `axes` is out of
         range for a leaf (the message names the leaf's path and shape).
       TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
-        array.
+        array; if an argument is given under two of its names (clipax's and a peer's);
+        if `name` is not None, a bool or a string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -107,4 +114,5 @@ def clip_by_norm(
       Array([[-3. ,  0. ,  0. ],
              [ 3.2,  0. ,  2.4]], dtype=float32)
     """
+    del name  # means nothing in JAX
     return clip_by_norm_with_norms(tree, max_norm, axes, axis_name, specs)[0]

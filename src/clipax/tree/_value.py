@@ -9,6 +9,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from clipax import _common
+from clipax._peers import peer_names
 
 INTEGER_BOUND = (
     "an integer leaf is clamped in its own dtype, so its bounds must be whole "
@@ -120,10 +121,15 @@ def _bound_for(bound: ArrayLike, dtype: np.dtype, lower: bool) -> ArrayLike:
     return _float_bound(bound, dtype)
 
 
+@peer_names(
+    {"t": "tree", "clip_value_min": "min_value", "clip_value_max": "max_value"},
+    ignored=["name"],
+)
 def clip_by_value(
     tree: chex.ArrayTree,
     min_value: ArrayLike,
     max_value: ArrayLike,
+    name: str | None = None,
 ) -> chex.ArrayTree:
     """Clamps every element of every leaf to `[min_value, max_value]`.
 
@@ -146,12 +152,17 @@ def clip_by_value(
     largest finite value it is +-inf, or that largest value in a float8 dtype
     with no inf (`float8_e4m3fn`), so no finite value changes.
 
+    It takes the call of `tf.clip_by_value`, under its TensorFlow names too.
+
     Args:
       tree: a pytree of real integer or floating-point arrays; None and
-        `optax.MaskedNode` leaves are empty and come back in place.
-      min_value: the lower bound, any real dtype, concrete or traced.
+        `optax.MaskedNode` leaves are empty and come back in place
+        (TensorFlow's `t`).
+      min_value: the lower bound, any real dtype, concrete or traced
+        (TensorFlow's `clip_value_min`).
       max_value: the upper bound; where both are concrete, `min_value <=
-        max_value` everywhere.
+        max_value` everywhere (TensorFlow's `clip_value_max`).
+      name: TensorFlow's name for the operation: accepted and ignored.
 
     Returns:
       The clipped tree, with the structure, shapes and dtypes of `tree`.
@@ -160,8 +171,10 @@ def clip_by_value(
       ValueError: if a bound is NaN, `min_value > max_value`, a bound does not
         broadcast to a leaf's shape, or a concrete bound of an integer leaf is
         not a whole number (the message names the leaf).
-      TypeError: if a bound is not real, a traced bound of an integer leaf has
-        a float dtype, or a leaf is bool, complex or not an array.
+      TypeError: if a bound is not real, a traced bound of an integer leaf has a float
+        dtype, or a leaf is bool, complex or not an array; if an argument is given under
+        two of its names (clipax's and a peer's); if `name` is not None, a bool or a
+        string.
 
     Example:
       >>> import jax.numpy as jnp
@@ -169,6 +182,7 @@ def clip_by_value(
       >>> clipax.tree.clip_by_value({"w": jnp.array([-3.0, 0.5, 7.0])}, -1.0, 2.0)
       {'w': Array([-1. ,  0.5,  2. ], dtype=float32)}
     """
+    del name  # means nothing in JAX
     _common.check_bounds(min_value, max_value)
     flat = _common.check_value_leaves(tree, "clip_by_value")
     shapes = (np.shape(min_value), np.shape(max_value))
@@ -185,8 +199,8 @@ def clip_by_value(
             )
         dtype = jax.dtypes.canonicalize_dtype(x.dtype)
         if jnp.issubdtype(dtype, jnp.integer):
-            for name, bound in (("min_value", min_value), ("max_value", max_value)):
-                _check_integer_bound(name, bound, _common.path_str(path), dtype)
+            for arg, bound in (("min_value", min_value), ("max_value", max_value)):
+                _check_integer_bound(arg, bound, _common.path_str(path), dtype)
 
     def clamp(x: jax.Array) -> jax.Array:
         x = _common.as_array(x)
