@@ -62,6 +62,26 @@ def ref_global_norm(tree: Any, p: float = 2.0) -> float:
     return float(scale * np.sum((flat / scale) ** p) ** (1 / p))
 
 
+def per_tensor_range(x: Any) -> str:
+    """Where the per-tensor norm of `x` falls under clipax's rule
+    (docs/semantics.md): "exact" where its float32 (float64 for float64
+    leaves) sum of squares is a normal float well above the terms that may
+    underflow; "overflow" past the largest float (an inf norm: the NaN rule);
+    "underflow" below (the norm may read smaller, down to 0); "edge" within
+    rounding of the largest float (either of its neighbours' outcomes)."""
+    x = np.asarray(x)
+    wide = x.dtype in (np.float64, np.complex128) and jax.config.read("jax_enable_x64")
+    info = np.finfo(np.float64 if wide else np.float32)
+    total = ref_global_norm(x) ** 2
+    if total > float(info.max) * (1 + 1e-3):
+        return "overflow"
+    if total > float(info.max) * (1 - 1e-3):
+        return "edge"
+    if total < float(info.tiny) * max(x.size, 1) * 1e6:
+        return "underflow"
+    return "exact"
+
+
 def ref_clip_by_global_norm(tree: Any, max_norm: float, p: float = 2.0) -> Any:
     """TensorFlow's formula in float64: x * max_norm / max(norm, max_norm)."""
     norm = ref_global_norm(tree, p)
@@ -258,22 +278,3 @@ def equations(jaxpr: Any, inside: str = "") -> Any:
                 if hasattr(inner, "eqns"):
                     kind = name if name in ("cond", "while") else ""
                     yield from equations(inner, inside or kind)
-
-
-def count_exact_passes(monkeypatch: Any) -> list[Any]:
-    """A list that records each unit the engine's per-slice exact pass sums.
-
-    Eagerly the host picks the branch, so only a pass that is taken is
-    recorded; under `jax.jit` both branches are traced, so use it eagerly.
-    """
-    from clipax import _reduce
-
-    calls: list[Any] = []
-    rescaled = _reduce._rescaled_sum
-
-    def counted(*args: Any) -> Any:
-        calls.append(args[0].shape)
-        return rescaled(*args)
-
-    monkeypatch.setattr(_reduce, "_rescaled_sum", counted)
-    return calls

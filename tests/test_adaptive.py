@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from clipax import _adaptive
+from clipax import _adaptive, _engine
 from clipax._adagc import adagc_rule
 from clipax._autoclip import autoclip_rule
 from clipax._zclip import EPS, zclip_rule
@@ -104,20 +104,20 @@ def test_adagc_rule_is_the_papers_formula():
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e30, 1e-30])
-def test_combined_norm_is_exact_without_overflow(scale):
+def test_norm_of_norms_is_exact_without_overflow(scale):
     rng = np.random.default_rng(0)
     norms = np.abs(rng.standard_normal((5, 3))) * scale
     want = np.sqrt(np.sum(norms.astype(np.float64) ** 2, axis=0))
-    got = _adaptive.combined_norm(jnp.asarray(norms, jnp.float32))
+    got = _engine.norm_of_norms(jnp.asarray(norms, jnp.float32))
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert float(_adaptive.combined_norm(jnp.zeros((0,), jnp.float32))) == 0.0
+    assert float(_engine.norm_of_norms(jnp.zeros((0,), jnp.float32))) == 0.0
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_combined_norm_near_the_largest_float(jit):
+def test_norm_of_norms_near_the_largest_float(jit):
     # 1 / 3e38 is subnormal in float32: a division by the largest entry, which
     # XLA turns into a multiplication by its reciprocal, flushed it to 0.
-    f = jax.jit(_adaptive.combined_norm) if jit else _adaptive.combined_norm
+    f = jax.jit(_engine.norm_of_norms) if jit else _engine.norm_of_norms
     norms = np.array([[3e38, 2e38], [1.0, 2e38]])
     want = np.sqrt(np.sum(norms**2, axis=0))  # float64; the second is 2.8e38
     got = f(jnp.asarray(norms, jnp.float32))
@@ -128,18 +128,18 @@ def test_combined_norm_near_the_largest_float(jit):
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e30])
-def test_combined_norm_of_norms_xla_sees_as_constants(scale):
+def test_norm_of_norms_of_norms_xla_sees_as_constants(scale):
     # Closed over by the jitted function, the norms are constants to XLA,
     # which rewrote (n s)**2 as n**2 s**2: s = 2**100 squares to inf, and
     # 1e-60, flushed to 0, times inf is NaN.
     norms = np.array([[1.0, 2.0], [2.0, 2.0]]) * scale
-    got = jax.jit(lambda: _adaptive.combined_norm(jnp.asarray(norms, jnp.float32)))()
+    got = jax.jit(lambda: _engine.norm_of_norms(jnp.asarray(norms, jnp.float32)))()
     want = np.sqrt(np.sum(norms.astype(np.float64) ** 2, axis=0))
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_combined_norm_of_nan_and_inf():
-    f = _adaptive.combined_norm
+def test_norm_of_norms_of_nan_and_inf():
+    f = _engine.norm_of_norms
     assert math.isnan(f(jnp.array([1.0, math.nan, math.inf])))
     assert math.isinf(f(jnp.array([1.0, math.inf])))
     assert float(f(jnp.zeros(3))) == 0.0
@@ -163,8 +163,8 @@ class RunningMaxState(NamedTuple):
     thresholds: chex.ArrayTree
 
 
-def running_max_rule(stats, norm, count):
-    del count
+def running_max_rule(stats, norm, count, total):
+    del count, total
     peak = jnp.maximum(stats["peak"], norm)
     return jnp.where(stats["peak"] > 0, 0.5 * peak, jnp.inf), {"peak": peak}
 

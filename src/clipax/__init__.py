@@ -2,8 +2,9 @@
 
 Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
 ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations
-and as pure functions on pytrees in `clipax.tree`; exact in float32, jit- and
-sharding-ready, with the pre-clip norm and the clipping statistics in opt_state.
+and as pure functions on pytrees in `clipax.tree`; norms accumulated in float32
+(global norms exact at its extremes), jit- and sharding-ready, with the pre-clip
+norm and the clipping statistics in opt_state.
 """
 
 from importlib.metadata import PackageNotFoundError, version

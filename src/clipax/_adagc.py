@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common, _states
-from clipax._reduce import AxisName
+from clipax import _adaptive, _common, _engine, _states
+from clipax._placement import AxisName
 
 
 @_states.register("adagc", per_leaf=("ema", "norms", "thresholds"))
@@ -33,20 +33,25 @@ def adagc_rule(
     stats: _adaptive.Stats,
     norms: jax.Array,
     count: jax.Array,
+    total: jax.Array | None = None,
     *,
     max_norm: ArrayLike,
     clip_ratio: ArrayLike,
     alpha: ArrayLike,
     warmup_steps: int,
 ) -> tuple[jax.Array, _adaptive.Stats]:
-    """AdaGC's rule for the vector of the leaves' norms (see `adagc`)."""
+    """AdaGC's rule for the leaves' `norms` (see `adagc`): one leaf's, or a
+    vector of them, with `total` their global norm (by default that of
+    `norms`)."""
     ema = stats["ema"]
     dtype = ema.dtype
     unseen = jnp.isinf(ema)
 
     # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
     # nonzero clipped norm of each leaf.
-    factor = _common.clip_scale(_adaptive.combined_norm(norms), max_norm)
+    if total is None:
+        total = _engine.norm_of_norms(norms)
+    factor = _common.clip_scale(total, max_norm)
     warm_clipped = norms * factor  # all NaN when the total is NaN or inf
     warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(ema, warm_clipped), ema)
 
@@ -107,9 +112,10 @@ def adagc(
     A leaf whose norm is NaN or inf keeps its EMA and comes out all NaN; during
     warm-up, as in `clipax.clip_by_global_norm`, every leaf then comes out NaN.
     Such a step does not count towards the warm-up. Wrap the chain in
-    `optax.apply_if_finite` to skip such steps. Norms are exact
-    (`clipax.tree.global_norm`'s engine) and kept in float32 (float64 for
-    float64 updates), on the device: the step compiles once.
+    `optax.apply_if_finite` to skip such steps. Norms are clipax's
+    per-tensor norms (float32 sums of squares; a tensor whose squares
+    overflow follows the NaN rule: docs/semantics.md), kept in float32
+    (float64 for float64 updates), on the device: the step compiles once.
 
     The state's `thresholds` hold, per leaf, the norm the leaf was clipped to
     during warm-up (its own norm when not clipped) and afterwards

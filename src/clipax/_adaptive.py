@@ -2,20 +2,22 @@
 
 A rule is a pure function of the statistics it keeps and the norm it sees:
 
-    rule(stats, norm, count) -> (threshold, new_stats)
+    rule(stats, norm, count) -> (threshold, new_stats)          # global rules
+    rule(stats, norm, count, total) -> (threshold, new_stats)   # per-tensor rules
 
 - `stats`: the rule's own statistics, a dict of arrays (AutoClip's ring buffer,
-  ZClip's mean and variance, AdaGC's EMA);
-- `norm`: the pre-clip norm of this step: a scalar for a global rule (one norm
-  for the whole update), a vector with one entry per leaf for a per-tensor rule;
+  ZClip's mean and variance, AdaGC's EMA); for a per-tensor rule, one leaf's;
+- `norm`: the pre-clip norm of this step: the global norm for a global rule,
+  one leaf's norm for a per-tensor rule (which is called once per leaf);
 - `count`: an int32 scalar, how many steps the statistics have seen (warm-ups
   read it);
-- `threshold`: the shape of `norm`, the norm each unit is clipped to: `inf`
-  lets it pass, NaN makes it all NaN.
+- `total`: for a per-tensor rule, the global norm of all the leaves;
+- `threshold`: the shape of `norm`, the norm it is clipped to: `inf` lets it
+  pass, NaN makes it all NaN.
 
 Each rule is tested on its own against its paper's formula. `transformation`
 makes an Optax transformation of a rule and does the parts every rule shares,
-once: the norms through the engine (`clipax._reduce`, exact, with `specs` /
+once: the norms through the engine (`clipax._engine`, with `specs` /
 `axis_name` for sharded leaves), the state's `count`, `norm` and threshold
 fields, the NaN rule (a unit whose norm is NaN or inf keeps its statistics and
 comes out NaN; the count advances only on a step whose norms are all finite),
@@ -41,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _common, _fused, _reduce
+from clipax import _common, _engine, _placement
 
 Stats = dict[str, jax.Array]
-Rule = Callable[[Stats, jax.Array, jax.Array], tuple[jax.Array, Stats]]
+Rule = Callable[..., tuple[jax.Array, Stats]]
 InitStats = Callable[[np.dtype], Stats]
 
 
@@ -116,27 +118,6 @@ def check_positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
 # Numerics shared by the rules.
 
 
-def combined_norm(norms: jax.Array) -> jax.Array:
-    """The L2 norm of norms along axis 0 (the global norm of their leaves).
-
-    Scaled by a power of two near the largest entry, so it neither overflows
-    nor underflows where the entries do not; NaN if an entry is NaN, else inf
-    if one is inf. (Dividing by the largest entry itself is not exact: XLA
-    multiplies by its reciprocal, which for entries above about 8.5e37 in
-    float32 is subnormal and flushed to 0.)
-    """
-    if norms.shape[0] == 0:
-        return jnp.zeros(norms.shape[1:], norms.dtype)
-    peak = jnp.max(norms, axis=0)
-    usable = jnp.isfinite(peak) & (peak > 0)
-    inverse = _reduce.power_of_two_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
-    # Through the engine's barrier (`_fused.scaled_pair`): where XLA sees the
-    # norms as constants it rewrote (n s)**2 as n**2 s**2, which overflows.
-    scaled, factor = _fused.scaled_pair(norms, inverse)
-    total = jnp.sqrt(jnp.sum(jnp.square(scaled * factor), axis=0)) / inverse
-    return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
-
-
 def clip_factor(norm: jax.Array, threshold: jax.Array) -> jax.Array:
     """`clipax`'s clip factor `t / max(norm, t)`, NaN when `t` is NaN."""
     scale = _common.clip_scale(norm, threshold)
@@ -144,24 +125,6 @@ def clip_factor(norm: jax.Array, threshold: jax.Array) -> jax.Array:
 
 
 # The transformation every rule shares.
-
-
-def _leaf_norms(leaves: list[jax.Array], placements: Any, dtype: np.dtype) -> jax.Array:
-    """Each leaf's exact L2 norm (of the whole tensor, on every device), stacked."""
-    if not leaves:
-        return jnp.zeros((0,), dtype)
-    axes = [tuple(range(x.ndim)) for x in leaves]
-    norms = _reduce.slice_norms(leaves, axes, placements)
-    # The barrier keeps XLA from fusing every leaf's reduction into the rule's
-    # vector arithmetic: without it, compile time grows steeply with the
-    # number of leaves (minutes at 100 leaves on CPU).
-    norms = jax.lax.optimization_barrier(norms)
-    return jnp.stack([n.reshape(()).astype(dtype) for n in norms])
-
-
-def _stacked(tree: Any, dtype: np.dtype) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return jnp.stack(leaves) if leaves else jnp.zeros((0,), dtype)
 
 
 def transformation(
@@ -172,7 +135,7 @@ def transformation(
     *,
     per_leaf: bool = False,
     ord: float = 2.0,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """An Optax transformation that clips the updates by `rule`.
@@ -186,7 +149,9 @@ def transformation(
       init_stats: the statistics before the first step, given the dtype they
         are kept in: the arrays of a global rule, or one unit's scalars for a
         per-leaf rule (every leaf starts from them).
-      rule: `rule(stats, norm, count) -> (threshold, new_stats)`.
+      rule: `rule(stats, norm, count) -> (threshold, new_stats)`; for a
+        per-leaf rule `rule(stats, norm, count, total)`, called for each leaf
+        with its own statistics and norm and the global norm `total`.
       per_leaf: whether each leaf is clipped by its own norm (else all leaves
         by their global norm).
       ord: the global norm's order (global rules only).
@@ -194,7 +159,7 @@ def transformation(
         split over (see `clipax.tree.global_norm`).
       specs: inside `shard_map`, the `in_specs` of the updates.
     """
-    _reduce.normalize_axis_name(axis_name)
+    _placement.normalize_axis_name(axis_name)
 
     def init_fn(params: optax.Params) -> Any:
         flat = _common.check_norm_leaves(params, fn_name)
@@ -224,56 +189,98 @@ def transformation(
         dtype = state.norm.dtype
         flat = _common.check_norm_leaves(updates, fn_name)
         leaves = [leaf for _, leaf in flat]
-        placements = None
-        if axis_name is not None or specs is not None:
-            placements = _reduce.leaf_placements(flat, specs, axis_name)
+        placements = _placement.leaf_placements(flat, specs, axis_name)
         names = [name for name in state_cls._fields if name not in _SHARED_FIELDS]
         if per_leaf:
-            norm = _leaf_norms(leaves, placements, dtype)
-            stats = {name: _stacked(getattr(state, name), dtype) for name in names}
-            old_threshold = _stacked(state.thresholds, dtype)
-        else:
-            norm = _reduce.global_norm(leaves, ord, placements).astype(dtype)
-            stats = {name: getattr(state, name) for name in names}
-            old_threshold = state.threshold
-        threshold, new_stats = rule(stats, norm, state.count)
-        threshold = threshold.astype(dtype)
+            return _per_leaf_update(updates, leaves, placements, state, names)
+        norm = _engine.global_norm(leaves, ord, placements).astype(dtype)
+        stats = {name: getattr(state, name) for name in names}
+        kept, threshold, scale = _step(stats, norm, state.threshold, state.count)
+        count = jnp.where(
+            jnp.isfinite(norm), optax.safe_int32_increment(state.count), state.count
+        )
+        clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
+        return clipped, state_cls(**kept, count=count, norm=norm, threshold=threshold)
 
-        # The NaN rule: a non-finite norm leaves its unit's statistics alone.
+    def _step(
+        stats: Stats,
+        norm: jax.Array,
+        old_threshold: jax.Array,
+        count: jax.Array,
+        *total: jax.Array,
+    ) -> tuple[Stats, jax.Array, jax.Array]:
+        """The rule, with the NaN rule (a non-finite norm leaves its unit's
+        statistics and threshold alone), and the clip factor."""
+        threshold, new_stats = rule(stats, norm, count, *total)
+        threshold = threshold.astype(norm.dtype)
         finite = jnp.isfinite(norm)
         kept = {
-            name: jnp.where(finite, new_stats[name], stats[name]).astype(
-                stats[name].dtype
-            )
-            for name in names
+            name: jnp.where(finite, new_stats[name], value).astype(value.dtype)
+            for name, value in stats.items()
         }
-        count = jnp.where(
-            jnp.all(finite), optax.safe_int32_increment(state.count), state.count
-        )
-        scale = clip_factor(norm, threshold)
-        kept_threshold = jnp.where(finite, threshold, old_threshold).astype(dtype)
-        if not per_leaf:
-            clipped = jax.tree.map(lambda x: _common.apply_scale(x, scale), updates)
-            new_state = state_cls(
-                **kept, count=count, norm=norm, threshold=kept_threshold
-            )
-            return clipped, new_state
+        kept_threshold = jnp.where(finite, threshold, old_threshold)
+        return kept, kept_threshold.astype(norm.dtype), clip_factor(norm, threshold)
 
+    def _per_leaf_update(
+        updates: optax.Updates,
+        leaves: list[jax.Array],
+        placements: _placement.Placements | None,
+        state: Any,
+        names: list[str],
+    ) -> tuple[optax.Updates, Any]:
+        """Each leaf clipped by the rule on its own norm, one leaf at a time:
+        one jitted step, traced once per dtype, for every leaf."""
+        dtype = state.norm.dtype
+        whole = [tuple(range(x.ndim)) for x in leaves]
+        norms = [
+            n.astype(dtype) for n in _engine.tensor_norms(leaves, whole, placements)
+        ]
+        # Finished buffers (barriers copy nothing): fused into the global norm's
+        # kernel, every leaf's reduction made one kernel of hundreds of inputs,
+        # and the rule fused into each leaf's scaling redid it per element.
+        norms = jax.lax.optimization_barrier(norms)
+        stacked = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
+        total = _engine.norm_of_norms(stacked)
+        step = jax.jit(_step)
+        stats = (
+            [
+                dict(zip(names, v, strict=True))
+                for v in zip(
+                    *(jax.tree.leaves(getattr(state, name)) for name in names),
+                    strict=True,
+                )
+            ]
+            if names
+            else [{} for _ in leaves]
+        )
+        thresholds = jax.tree.leaves(state.thresholds)
+        results = [
+            step(s, n, t, state.count, total)
+            for s, n, t in zip(stats, norms, thresholds, strict=True)
+        ]
+        count = jnp.where(
+            jnp.all(jnp.isfinite(stacked)),
+            optax.safe_int32_increment(state.count),
+            state.count,
+        )
         treedef = jax.tree.structure(updates)
 
-        def as_tree(vector: jax.Array) -> Any:
-            return jax.tree.unflatten(treedef, list(vector))
+        def as_tree(values: list[jax.Array]) -> Any:
+            return jax.tree.unflatten(treedef, values)
 
-        scale = jax.lax.optimization_barrier(scale)  # as in `_leaf_norms`
-        scaled = [_common.apply_scale(x, scale[i]) for i, x in enumerate(leaves)]
+        scales = jax.lax.optimization_barrier([scale for _, _, scale in results])
+        scaled = [
+            _common.apply_scale(x, scale)
+            for x, scale in zip(leaves, scales, strict=True)
+        ]
         new_state = state_cls(
-            **{name: as_tree(value) for name, value in kept.items()},
+            **{name: as_tree([kept[name] for kept, _, _ in results]) for name in names},
             count=count,
-            norm=combined_norm(norm),
-            norms=as_tree(norm),
-            thresholds=as_tree(kept_threshold),
+            norm=total,
+            norms=as_tree(norms),
+            thresholds=as_tree([threshold for _, threshold, _ in results]),
         )
-        return jax.tree.unflatten(treedef, scaled), new_state
+        return as_tree(scaled), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -300,12 +307,3 @@ def stateless(
         return optax.EmptyState()
 
     return optax.GradientTransformation(init_fn, optax.stateless(clip).update)
-
-
-def unit_norms(
-    leaves: list[jax.Array], axes: list[tuple[int, ...]], floor: Any = 0.0
-) -> list[jax.Array]:
-    """Each leaf's exact L2 norms over its `axes` (kept as size-1 dims), in
-    float32 or wider, from the engine; where `floor` is given, a norm below it
-    may be any value from 0 to `floor` (`_reduce.slice_norms`)."""
-    return _reduce.slice_norms(leaves, axes, floor=floor) if leaves else []

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _adaptive, _common, _engine
 
 # optax's floor on the update norm in the division: a unit whose update norm
 # is below it and above its limit is scaled to below that limit, as in optax.
@@ -58,10 +58,13 @@ def _axis_message(error: Exception) -> str:
     return str(error).replace("`axes`", "`axis`")
 
 
+@jax.jit
 def _clip_unit(
     g: jax.Array, g_norm: jax.Array, w_norm: jax.Array, clipping: Any, eps: Any
 ) -> jax.Array:
-    """Each unit of `g` scaled down to `clipping * max(|w|, eps)` if above it."""
+    """Each unit of `g` scaled down to `clipping * max(|w|, eps)` if above it.
+
+    Jitted, so that leaves of one shape and dtype share one trace."""
     ratio_bound = jnp.asarray(clipping, g_norm.dtype)
     limit = ratio_bound * jnp.maximum(w_norm, jnp.asarray(eps, g_norm.dtype))
     # An infinite `clipping` allows every norm, also against a zero parameter
@@ -76,20 +79,6 @@ def _clip_unit(
     numerator = jnp.where(jnp.isfinite(g_norm), numerator, jnp.nan)
     denominator = jnp.where(keep, one, jnp.maximum(g_norm, DIV_EPS))
     return _common.apply_scale(g, (numerator / denominator).astype(g_norm.dtype))
-
-
-def _floor(clipping: Any, eps: Any) -> Any:
-    """A norm below which no unit's norm needs to be exact: min(1, clipping)
-    eps (0 for clipping <= 0).
-
-    A parameter norm below it is below `eps` and so counts as `eps`; an update
-    norm below it is below its unit's limit, clipping max(|w|, eps), and is
-    kept as it is. Traced where `clipping` or `eps` is.
-    """
-    if _common.is_traced(clipping) or _common.is_traced(eps):
-        ratio = jnp.clip(jnp.asarray(clipping, jnp.float32), 0, 1)
-        return ratio * jnp.asarray(eps, jnp.float32)
-    return min(max(float(clipping), 0.0), 1.0) * float(eps)
 
 
 def _check_eps(eps: Any) -> None:
@@ -192,12 +181,7 @@ def adaptive_grad_clip(
             units.append(i)
         gs = [jnp.asarray(flat[i][1]) for i in units]
         ws = [jnp.asarray(weights[i]) for i in units]
-        # One call for every unit of the tree, updates and parameters: one
-        # range test and one `lax.cond`, where a call per leaf compiled 1.3-2.3
-        # x slower (benchmarks/RESULTS.md). Norms below `_floor` need not be
-        # exact, so zero parameters (biases) do not send the tree through the
-        # exact pass on every step.
-        norms = _adaptive.unit_norms(gs + ws, reduces + reduces, _floor(clipping, eps))
+        norms = _engine.tensor_norms(gs + ws, reduces + reduces)
         out = [g for _, g in flat]
         pairs = zip(units, gs, norms[: len(gs)], norms[len(gs) :], strict=True)
         for i, g, g_norm, w_norm in pairs:

@@ -11,7 +11,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _adaptive, _common, _states
-from clipax._reduce import AxisName
+from clipax._placement import AxisName
 
 
 @_states.register("autoclip")

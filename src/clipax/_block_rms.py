@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _adaptive, _common, _engine
+
+
+@jax.jit
+def _rms_factor(norm: jax.Array, root_size: float, threshold: Any) -> jax.Array:
+    """The clip factor of a leaf's RMS, `norm / root_size`; jitted, so that
+    every leaf shares one trace."""
+    return _common.clip_scale(norm / root_size, threshold)
 
 
 def _clip_tree(updates: optax.Updates, threshold: ArrayLike) -> optax.Updates:
     flat = _common.check_norm_leaves(updates, "clip_by_block_rms")
     leaves = [jnp.asarray(x) for _, x in flat]
-    norms = _adaptive.unit_norms(leaves, [tuple(range(x.ndim)) for x in leaves])
+    norms = _engine.tensor_norms(leaves, [tuple(range(x.ndim)) for x in leaves])
     clipped = [
-        _common.apply_scale(
-            x, _common.clip_scale(n / math.sqrt(max(x.size, 1)), threshold)
-        )
+        _common.apply_scale(x, _rms_factor(n, math.sqrt(max(x.size, 1)), threshold))
         for x, n in zip(leaves, norms, strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(updates), clipped)
@@ -31,8 +37,8 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
     Equal to `optax.clip_by_block_rms` on the same inputs: a block is a leaf
     (a weight vector, matrix or kernel), its RMS is `sqrt(mean(|u|**2))`, and a
     leaf whose RMS exceeds `threshold` is multiplied by `threshold / rms`. With
-    clipax's rules: the RMS is the leaf's exact norm (clipax's engine, float32,
-    float64 for float64 leaves) over `sqrt(size)`, and each leaf keeps its
+    clipax's rules: the RMS is the leaf's per-tensor norm (clipax's engine,
+    float32, float64 for float64 leaves) over `sqrt(size)`, and each leaf keeps its
     dtype; a leaf whose RMS is NaN or inf comes back all NaN; a leaf of size 0,
     None and `optax.MaskedNode` come back as they are. It is the per-leaf rule
     of `clipax.clip_by_norm` with the threshold scaled by `sqrt(size)`, so large

@@ -408,6 +408,22 @@ def safe_root(total: jax.Array, p: float) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(total), root)
 
 
+@jax.custom_jvp
+def sqrt(total: jax.Array) -> jax.Array:
+    """`jnp.sqrt` whose derivative at 0 is 0, not inf (the derivative of a
+    norm at a zero tensor, where `safe_root`'s selects would cost a kernel)."""
+    return jnp.sqrt(total)
+
+
+@sqrt.defjvp
+def _sqrt_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
+    (total,), (dtotal,) = primals, tangents
+    root = jnp.sqrt(total)
+    positive = total > 0
+    slope = 0.5 / jnp.where(positive, root, jnp.ones_like(root))
+    return root, jnp.where(positive, slope * dtotal, jnp.zeros_like(dtotal))
+
+
 def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
     """The factor `max_norm / max(norm, max_norm)`, in the norm's dtype.
 

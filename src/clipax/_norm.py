@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from clipax import _common, _states
 from clipax._peers import peer_names
-from clipax._reduce import AxisName, normalize_axis_name
+from clipax._placement import AxisName, normalize_axis_name
 from clipax.tree import _norm
 
 

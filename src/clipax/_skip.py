@@ -10,7 +10,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _adaptive, _common, _states
-from clipax._reduce import AxisName, normalize_axis_name
+from clipax._placement import AxisName, normalize_axis_name
 from clipax.tree import _global_norm
 
 

@@ -12,7 +12,7 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _adaptive, _common, _states
-from clipax._reduce import AxisName
+from clipax._placement import AxisName
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
 MODES = ("adaptive", "std")

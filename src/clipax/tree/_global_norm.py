@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _common, _nonfinite, _reduce
+from clipax import _common, _engine, _nonfinite, _placement
 from clipax._peers import peer_names
 
 NONFINITE_MODES = ("nan", "zero", "error")
@@ -45,10 +45,8 @@ def _norm_of(
     tree: chex.ArrayTree, fn_name: str, p: float, axis_name: Any, specs: Any
 ) -> tuple[list[tuple[Any, Any]], jax.Array]:
     flat = _common.check_norm_leaves(tree, fn_name)
-    placements = None
-    if axis_name is not None or specs is not None:
-        placements = _reduce.leaf_placements(flat, specs, axis_name)
-    return flat, _reduce.global_norm([leaf for _, leaf in flat], p, placements)
+    placements = _placement.leaf_placements(flat, specs, axis_name)
+    return flat, _engine.global_norm([leaf for _, leaf in flat], p, placements)
 
 
 def _nonfinite_error(
@@ -110,7 +108,7 @@ def global_norm(
     squared: bool = False,
     *,
     nonfinite: str | bool | None = None,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> jax.Array:
     """Returns the norm of all leaves of `tree` taken together.
@@ -204,7 +202,7 @@ def clip_by_global_norm(
     name: str | None = None,
     *,
     ord: float | str = 2,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
     nonfinite: str | bool = "nan",
 ) -> tuple[chex.ArrayTree, jax.Array]:
@@ -293,7 +291,7 @@ def clip_with_norm(
     max_norm: ArrayLike,
     use_norm: ArrayLike | None,
     ord: Any,
-    axis_name: _reduce.AxisName,
+    axis_name: _placement.AxisName,
     specs: Any,
     nonfinite: str | bool,
 ) -> tuple[chex.ArrayTree, jax.Array, jax.Array]:

@@ -10,7 +10,7 @@ import chex
 import jax
 from jax.sharding import PartitionSpec
 
-from clipax import _common, _reduce
+from clipax import _common, _placement
 from clipax.tree import _global_norm
 
 SEPARATOR = "/"
@@ -75,7 +75,7 @@ def group_norms(
     prefixes: Sequence[str] | None = None,
     key_prefix: str = "",
     ord: float = 2,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> dict[str, jax.Array]:
     """The norm of each group of leaves of `tree`, e.g. per layer or module.
@@ -142,7 +142,7 @@ def group_norms(
     """
     _check_args(depth, prefixes)
     p = _common.check_ord(ord)
-    _reduce.normalize_axis_name(axis_name)
+    _placement.normalize_axis_name(axis_name)
     flat = _common.check_norm_leaves(tree, "group_norms")
     leaf_specs = _leaf_specs(tree, specs)
     wanted = None

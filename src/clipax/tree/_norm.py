@@ -6,30 +6,26 @@ from typing import Any
 
 import chex
 import jax
+import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _common, _reduce
+from clipax import _common, _engine, _placement
 from clipax._peers import peer_names
 
-# Jitted, so that leaves (or stacks) of one shape and dtype share one trace
-# (see `_reduce._plain_sum`).
+# Jitted, so that leaves of one shape and dtype share one trace.
+_clip_factor = jax.jit(_common.clip_scale)
 
 
-@jax.jit
-def _with_scale(norms: jax.Array, max_norm: Any) -> tuple[jax.Array, jax.Array]:
-    return norms, _common.clip_scale(norms, max_norm)
-
-
-@jax.jit
-def _apply(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return _common.apply_scale(x, scale)
+def _peak(norms: jax.Array) -> jax.Array:
+    """The largest of a leaf's slice norms (a whole-leaf norm is its own)."""
+    return jnp.reshape(norms, ()) if norms.size == 1 else jnp.max(norms, initial=0.0)
 
 
 def clip_by_norm_with_norms(
     tree: chex.ArrayTree,
     max_norm: ArrayLike,
     axes: Any,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> tuple[chex.ArrayTree, chex.ArrayTree]:
     """`clip_by_norm`, also returning each leaf's largest pre-clip norm.
@@ -47,16 +43,19 @@ def clip_by_norm_with_norms(
         )
     flat = _common.check_norm_leaves(tree, "clip_by_norm")
     leaf_axes = [_common.leaf_axes(axes, path, x.shape) for path, x in flat]
-    placements = None
-    if axis_name is not None or specs is not None:
-        placements = _reduce.leaf_placements(flat, specs, axis_name)
+    placements = _placement.leaf_placements(flat, specs, axis_name)
     leaves = [x for _, x in flat]
-    pairs = _reduce.slice_norms(
-        leaves, leaf_axes, placements, lambda n: _with_scale(n, max_norm)
-    )
-    norms = [n for n, _ in pairs]
-    clipped = [_apply(x, s) for x, (_, s) in zip(leaves, pairs, strict=True)]
-    peaks = _reduce.leaf_peak_norms(norms, placements)
+    norms = _engine.tensor_norms(leaves, leaf_axes, placements)
+    clipped = [
+        _common.apply_scale(x, _clip_factor(n, max_norm))
+        for x, n in zip(leaves, norms, strict=True)
+    ]
+    peaks = [_peak(n) for n in norms]
+    if placements is not None and peaks:  # slices of a leaf may be on other devices
+        everywhere = _placement.pmax_everywhere(
+            jnp.stack(peaks), [_placement.split_axes(e) for e in placements]
+        )
+        peaks = [everywhere[i] for i in range(len(peaks))]
     treedef = jax.tree.structure(tree)
     return jax.tree.unflatten(treedef, clipped), jax.tree.unflatten(treedef, peaks)
 
@@ -68,7 +67,7 @@ def clip_by_norm(
     axes: Any = None,
     name: str | None = None,
     *,
-    axis_name: _reduce.AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> chex.ArrayTree:
     """Clips each leaf on its own to L2 norm `max_norm`, like `tf.clip_by_norm`.
@@ -78,7 +77,11 @@ def clip_by_norm(
     other axes is clipped on its own (`axes=1` on a matrix clips each row).
     The rules of `clipax.tree.clip_by_global_norm` hold for each leaf or slice:
     no epsilon, unchanged at or below the threshold and at norm 0, all NaN when
-    its norm is NaN or inf, float32 accumulation, dtypes kept. It takes the
+    its norm is NaN or inf, float32 accumulation, dtypes kept. Each norm is
+    one float32 sum of squares (float64 for float64 leaves), the bare
+    formula's: a leaf or slice whose squares overflow float32 (entries above
+    about 1.8e19) has an inf norm and comes out NaN, alone, and a norm below
+    about 1e-19 may read smaller, down to 0 (docs/semantics.md). It takes the
     call of `tf.clip_by_norm`, under its TensorFlow names too.
 
     Args:

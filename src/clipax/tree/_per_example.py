@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common
+from clipax import _common, _engine
 
 CLIP_ACCEPTED = (
     f"a scalar >= 0 ({_common.THRESHOLD_TYPES}); inf means no clipping, 0 "
@@ -49,10 +49,10 @@ def _batched_leaves(grads: chex.ArrayTree, fn_name: str) -> list[Any]:
 
 
 def _example_norms(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Each leaf's per-example L2 norms, shape [batch] each, float32 or wider:
-    exact, from the engine, in one pass over each leaf."""
+    """Each leaf's per-example L2 norms, shape [batch] each, float32 or wider,
+    from the engine, in one pass over each leaf."""
     axes = [tuple(range(1, x.ndim)) for x in leaves]
-    norms = _adaptive.unit_norms([jnp.asarray(x) for x in leaves], axes)
+    norms = _engine.tensor_norms([jnp.asarray(x) for x in leaves], axes)
     return [n.reshape(x.shape[0]) for n, x in zip(norms, leaves, strict=True)]
 
 
@@ -132,7 +132,7 @@ def per_example_global_norm_clip(
         return grads, jnp.zeros((), jnp.int32)
     dtype = _common.tree_accum_dtype(leaves)
     per_leaf = jnp.stack([n.astype(dtype) for n in _example_norms(leaves)])
-    norms = _adaptive.combined_norm(per_leaf)
+    norms = _engine.norm_of_norms(per_leaf)
     scales, num_clipped = _scales(norms, l2_norm_clip)
     summed = jax.tree.map(lambda x: _weighted_sum(scales, x), grads)
     return summed, num_clipped

@@ -1,4 +1,5 @@
-"""Bucketed reductions (`clipax._fused`): same numbers, no resharding."""
+"""The norm engine (`clipax._engine`, `clipax._placement`): buckets give the
+same numbers and never reshard; per-tensor norms are the bare formula's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipax
-from clipax import _common, _fused
+from clipax import _common, _engine, _placement
 from tests.helpers import ref_global_norm
 
 ORDS = [1.0, 2.0, 1.5, math.inf]
@@ -47,25 +48,30 @@ def per_leaf_total(leaves: list[Any], p: float, dtype: Any) -> jax.Array:
     parts = [_common.power_sum(jnp.asarray(x), p).astype(dtype) for x in leaves]
     if not parts:
         return jnp.zeros((), dtype)
-    return _fused.total(jnp.stack(parts), p)
+    return total(jnp.stack(parts), p)
+
+
+def total(partials: jax.Array, p: float) -> jax.Array:
+    """The tree's sum of powers (its largest |x| for p = inf) from partials."""
+    return jnp.max(partials) if p == math.inf else jnp.sum(partials)
 
 
 @pytest.fixture
 def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small thresholds, so that one tree has buckets and lone leaves."""
-    monkeypatch.setattr(_fused, "SMALL_LEAF", 100)
-    monkeypatch.setattr(_fused, "BUCKET_ELEMENTS", 256)
+    monkeypatch.setattr(_engine, "SMALL_LEAF", 100)
+    monkeypatch.setattr(_engine, "BUCKET_ELEMENTS", 256)
 
 
 @pytest.fixture
 def always_concatenate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Buckets under jit too (the test session has 8 devices, so by default a
     traced leaf with no known sharding is never concatenated)."""
-    monkeypatch.setattr(_fused, "can_concatenate", lambda x: True)
+    monkeypatch.setattr(_placement, "is_whole", lambda x: True)
 
 
 @pytest.mark.usefixtures("small_buckets")
-def test_plan_buckets_small_leaves_by_dtype_within_bounds() -> None:
+def test_buckets_hold_small_leaves_by_dtype_within_bounds() -> None:
     leaves = [
         jnp.ones(50),  # 0: f32 bucket
         jnp.ones(60, jnp.bfloat16),  # 1: bf16 bucket
@@ -81,12 +87,12 @@ def test_plan_buckets_small_leaves_by_dtype_within_bounds() -> None:
         jnp.ones(99),  # 11: a new f32 bucket (50 + 100 + 4 x 10 + 99 > 256)
         jnp.ones(90),  # 12: f32 bucket (no bound on the elements bucketed in all)
     ]
-    buckets, alone = _fused._plan(leaves)
+    buckets, alone = _engine._buckets(leaves)
     assert buckets == [[0, 4, 5, 7, 8, 9], [1, 6, 10], [11, 12]]
     assert alone == [3]
     for bucket in buckets:
         assert len({leaves[i].dtype for i in bucket}) == 1
-        assert sum(leaves[i].size for i in bucket) <= _fused.BUCKET_ELEMENTS
+        assert sum(leaves[i].size for i in bucket) <= _engine.BUCKET_ELEMENTS
 
 
 @pytest.mark.usefixtures("small_buckets")
@@ -107,11 +113,11 @@ def test_bucketed_sums_equal_per_leaf_sums(
     tree = ragged_tree(seed, dtypes)
     leaves = jax.tree.leaves(tree)
     dtype = _common.tree_accum_dtype(leaves)
-    buckets, alone = _fused._plan(leaves)  # eager leaves: concatenable
+    buckets, alone = _engine._buckets(leaves)  # eager leaves: concatenable
     assert any(len(b) > 1 for b in buckets) and alone
-    partials = _fused.partial_sums(leaves, p, dtype)
+    partials = _engine.partial_sums(leaves, p, dtype)
     assert partials.dtype == dtype
-    bucketed = _fused.total(partials, p)
+    bucketed = total(partials, p)
     chex.assert_trees_all_close(bucketed, per_leaf_total(leaves, p, dtype), **TOL)
     root = _common.safe_root(bucketed, p)
     np.testing.assert_allclose(root, ref_global_norm(tree, p), **TOL)
@@ -168,7 +174,7 @@ def test_non_finite_leaf_in_a_bucket_makes_every_output_nan(
     tree = {"a": jnp.ones(10), "b": jnp.array([1.0, bad]), "c": jnp.ones(3)}
     if same_size:  # "b" and "d" have one size
         tree["d"] = jnp.array([2.0, 3.0])
-    buckets, alone = _fused._plan(jax.tree.leaves(tree))
+    buckets, alone = _engine._buckets(jax.tree.leaves(tree))
     assert buckets == [list(range(len(tree)))] and alone == []
     clipped, norm = clipax.tree.clip_by_global_norm(tree, 1.0, ord=p)
     assert not np.isfinite(norm)
@@ -242,7 +248,7 @@ def test_sharded_leaves_are_never_concatenated(
 
 
 @pytest.mark.devices(8)
-def test_can_concatenate_rules() -> None:
+def test_is_whole_rules() -> None:
     explicit = jax.make_mesh((2, 4), ("a", "b"))
     auto = jax.make_mesh(
         (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
@@ -254,15 +260,15 @@ def test_can_concatenate_rules() -> None:
 
     def record(name: str) -> Any:
         def probe(x: jax.Array) -> jax.Array:
-            seen[name] = _fused.can_concatenate(x)
+            seen[name] = _placement.is_whole(x)
             return x
 
         return probe
 
-    assert _fused.can_concatenate(jnp.ones(3))  # one device
-    assert _fused.can_concatenate(np.ones(3))
-    assert not _fused.can_concatenate(sharded)
-    assert _fused.can_concatenate(replicated)
+    assert _placement.is_whole(jnp.ones(3))  # one device
+    assert _placement.is_whole(np.ones(3))
+    assert not _placement.is_whole(sharded)
+    assert _placement.is_whole(replicated)
     jax.jit(record("jit, explicit sharded"))(sharded)
     jax.jit(record("jit, explicit replicated"))(replicated)
     jax.jit(record("jit, auto"))(auto_replicated)
@@ -302,8 +308,8 @@ def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
 
     def local_norm(t: dict) -> jax.Array:
         leaves = jax.tree.leaves(t)
-        assert all(_fused.can_concatenate(x) for x in leaves)
-        buckets, alone = _fused._plan(leaves)
+        assert all(_placement.is_whole(x) for x in leaves)
+        buckets, alone = _engine._buckets(leaves)
         assert buckets == [[0, 1]] and alone == []
         return clipax.tree.global_norm(t)[None, None]
 
@@ -343,42 +349,6 @@ def test_bfloat16_leaves_are_not_copied_to_float32(op: str) -> None:
     chex.assert_trees_all_equal_shapes_and_dtypes(clipped, tree)
 
 
-@pytest.mark.usefixtures("always_concatenate")
-def test_buckets_are_copied_one_at_a_time() -> None:
-    """Each bucket is a copy of its leaves, but only about one is held at a
-    time: unordered, XLA made every copy before reducing any."""
-    tree = [jnp.full(1000, 0.5) for _ in range(400)]  # 13 buckets of up to 32k
-    lowered = jax.jit(lambda t: clipax.tree.clip_by_global_norm(t, 1.0)).lower(tree)
-    compiled = lowered.compile()
-    nbytes = 400 * 1000 * 4  # all the copies at once
-    assert compiled.memory_analysis().temp_size_in_bytes < nbytes / 8
-    clipped, norm = compiled(tree)
-    np.testing.assert_allclose(norm, np.sqrt(400 * 1000 * 0.25), rtol=1e-6)
-    np.testing.assert_allclose(clipped[7], np.full(1000, 0.5 / norm), rtol=1e-6)
-
-
-@pytest.mark.usefixtures("small_buckets", "always_concatenate")
-@pytest.mark.parametrize("p", ORDS)
-@pytest.mark.parametrize("value", [np.inf, np.nan, 3e30, 1e-30, 0.0])
-def test_a_bucket_passes_on_nothing_but_nan_to_the_next(p: float, value: float) -> None:
-    """Each bucket after the first holds the previous bucket's sum clamped to
-    at most 0: an inf, overflowed, underflowed or zero sum before it changes
-    no later bucket's sum; a NaN makes the norm NaN, as it would anyway."""
-    rng = np.random.default_rng(0)
-    tree = [jnp.asarray(rng.standard_normal(90).astype(np.float32)) for _ in range(8)]
-    tree[0] = jnp.full(90, value, jnp.float32)
-    assert len(_fused._plan(tree)[0]) == 4  # buckets of 2 leaves (256 elements)
-    ref = ref_global_norm(tree, p)
-    for norm in (
-        clipax.tree.global_norm(tree, ord=p),
-        jax.jit(lambda t: clipax.tree.global_norm(t, ord=p))(tree),
-    ):
-        if np.isnan(ref):
-            assert np.isnan(norm)
-        else:
-            np.testing.assert_allclose(norm, ref, **TOL)
-
-
 @pytest.mark.usefixtures("small_buckets")
 @pytest.mark.parametrize("p", ORDS)
 def test_scaled_partial_sums_equal_sums_of_scaled_leaves(p: float) -> None:
@@ -392,5 +362,5 @@ def test_scaled_partial_sums_equal_sums_of_scaled_leaves(p: float) -> None:
         * np.float32(2.0**-40)
         for x in leaves
     ]
-    got = _fused.total(_fused.partial_sums(leaves, p, dtype, scale=scale), p)
+    got = total(_engine.partial_sums(leaves, p, dtype, scale=scale), p)
     chex.assert_trees_all_close(got, per_leaf_total(scaled, p, dtype), **TOL)

@@ -1,0 +1,196 @@
+"""Where each leaf lives: mesh axes, collectives, and leaves whole on a device.
+
+Inside `shard_map` or `pmap` a leaf is a local block. `specs` (the `in_specs`
+given to `shard_map`) or `axis_name` say over which mesh axes each of its
+dimensions is split; a sum over a leaf is completed over exactly the axes that
+split the reduced dimensions (psum; pmax for a maximum), so that a replicated
+leaf counts once. Under `jax.jit` over sharded arrays (GSPMD) neither is given:
+XLA completes the sums itself, and `is_whole` tells which leaves may be
+concatenated without resharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from clipax import _common
+
+MeshAxes = tuple[str, ...]
+AxisName = str | Sequence[str] | None
+# For each leaf, the mesh axes that split each of its dimensions.
+Placements = list[list[MeshAxes]]
+
+
+def normalize_axis_name(axis_name: AxisName) -> MeshAxes:
+    """`axis_name` as a tuple of mesh-axis names; () for None."""
+    if axis_name is None:
+        return ()
+    names: tuple[Any, ...] = ()
+    if isinstance(axis_name, str):
+        names = (axis_name,)
+    elif isinstance(axis_name, (tuple, list)):
+        names = tuple(axis_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            "`axis_name` must be None, a mesh-axis name, or a sequence of names; "
+            f"got {axis_name!r}."
+        )
+    return names
+
+
+def _is_spec(node: Any) -> bool:
+    return node is None or isinstance(node, PartitionSpec)
+
+
+def _spec_entries(spec: PartitionSpec | None, path: Any, ndim: int) -> list[MeshAxes]:
+    """The mesh axes that split each dimension of a leaf, from its spec."""
+    entries: list[MeshAxes] = [()] * ndim
+    if spec is None:
+        return entries
+    if len(spec) > ndim:
+        raise ValueError(
+            f"`specs` gives {spec} to the leaf at {_common.path_str(path)}, which "
+            f"has rank {ndim}: a PartitionSpec may not be longer than the rank."
+        )
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        entries[dim] = (entry,) if isinstance(entry, str) else tuple(entry)
+    return entries
+
+
+def leaf_placements(
+    flat: list[tuple[Any, Any]], specs: Any, axis_name: AxisName
+) -> Placements | None:
+    """For each leaf of `flat` ((path, leaf) pairs), the mesh axes that split
+    each of its dimensions; None when neither `specs` nor `axis_name` is given.
+
+    `specs` is a prefix of the tree: each PartitionSpec covers the leaves
+    below it. `axis_name` splits every leaf (along an unknown dimension, which
+    only a whole-leaf reduction can use; it is recorded on every dimension).
+    """
+    if specs is None and axis_name is None:
+        return None
+    names = normalize_axis_name(axis_name)
+    table: dict[tuple[str, ...], PartitionSpec | None] = {}
+    if specs is not None:
+        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[
+            0
+        ]:
+            if not _is_spec(spec):
+                raise TypeError(
+                    "`specs` must be a tree of jax.sharding.PartitionSpec (a prefix "
+                    f"of the updates); at {_common.path_str(path)} it holds "
+                    f"{spec!r}."
+                )
+            table[tuple(map(str, path))] = spec
+    placements = []
+    for path, leaf in flat:
+        spec = None
+        if specs is not None:
+            key = tuple(map(str, path))
+            for end in range(len(key), -1, -1):
+                if key[:end] in table:
+                    spec = table[key[:end]]
+                    break
+            else:
+                raise ValueError(
+                    f"`specs` has no PartitionSpec for the leaf at "
+                    f"{_common.path_str(path)} (shape {tuple(leaf.shape)}); it must "
+                    "be a prefix of the updates tree, as `in_specs` of shard_map."
+                )
+        entries = _spec_entries(spec, path, leaf.ndim)
+        if names:
+            entries = [tuple(dict.fromkeys(e + names)) for e in entries]
+            if leaf.ndim == 0:
+                raise ValueError(
+                    f"`axis_name` splits every leaf, but the leaf at "
+                    f"{_common.path_str(path)} is a scalar; use `specs` to mark it "
+                    "replicated."
+                )
+        placements.append(entries)
+    return placements
+
+
+def split_axes(entries: list[MeshAxes], dims: Sequence[int] | None = None) -> MeshAxes:
+    """The mesh axes that split any of the dimensions `dims` (all by default)."""
+    names: dict[str, None] = {}
+    for dim in range(len(entries)) if dims is None else dims:
+        names.update(dict.fromkeys(entries[dim]))
+    return tuple(sorted(names))
+
+
+def psum_each(
+    values: list[jax.Array],
+    axes: list[MeshAxes],
+    together: Sequence[Hashable] | None = None,
+    op: Callable[..., jax.Array] = jax.lax.psum,
+) -> list[jax.Array]:
+    """`op` (psum or pmax) of each value over its mesh `axes`.
+
+    Values with the same axes (and the same `together` key, when given) travel
+    in one collective. Values that vary over different mesh axes must not
+    share one, or `shard_map`'s replication checks would see them all as
+    varying: `together` keeps them apart.
+    """
+    out = list(values)
+    sets: dict[Any, list[int]] = {}
+    for i, names in enumerate(axes):
+        if names:
+            key = (names, together[i] if together is not None else None)
+            sets.setdefault(key, []).append(i)
+    for (names, _), index in sets.items():
+        if len(index) == 1:
+            out[index[0]] = op(values[index[0]], names)
+            continue
+        flat = jnp.concatenate([jnp.ravel(values[i]) for i in index])
+        reduced = op(flat, names)
+        offset = 0
+        for i in index:
+            size = values[i].size
+            out[i] = reduced[offset : offset + size].reshape(values[i].shape)
+            offset += size
+    return out
+
+
+def pmax_everywhere(value: jax.Array, axes: Sequence[MeshAxes]) -> jax.Array:
+    """pmax over every mesh axis in `axes`, in one collective.
+
+    Max is idempotent, so a value already equal across some of these axes is
+    unchanged by them: one pmax serves leaves of every axis set.
+    """
+    names = tuple(sorted(set().union(*axes)))
+    return jax.lax.pmax(value, names) if names else value
+
+
+def is_whole(x: Any) -> bool:
+    """Whether `x` is known to be whole on every device that holds it, so that
+    concatenating it with other such leaves moves no data between devices.
+
+    True for a concrete array on one device or replicated; for a traced value
+    whose abstract sharding names no mesh axis, when it is local to a
+    `shard_map` or `pmap` body (every mesh axis manual) or replicated over an
+    explicit mesh; and for any traced value when the process has a single
+    device. False otherwise: under `jax.jit` with several devices and
+    automatic mesh axes, a traced value's sharding is decided by XLA after
+    tracing, so clipax cannot know it.
+    """
+    if not _common.is_traced(x):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:  # a NumPy array: it is copied to one device anyway
+            return True
+        return len(sharding.device_set) == 1 or bool(sharding.is_fully_replicated)
+    aval_sharding = getattr(jax.typeof(x), "sharding", None)
+    if aval_sharding is not None:
+        if any(entry is not None for entry in aval_sharding.spec):
+            return False  # some dimension is split over a mesh axis
+        mesh = aval_sharding.mesh
+        if not mesh.empty:
+            auto = jax.sharding.AxisType.Auto
+            return all(kind != auto for kind in mesh.axis_types)
+    return jax.device_count() == 1
