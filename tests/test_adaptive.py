@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from clipax import _adaptive, _engine
+from clipax import _adaptive, _common, _engine
 from clipax._adagc import adagc_rule
 from clipax._autoclip import autoclip_rule
 from clipax._zclip import EPS, zclip_rule
@@ -148,8 +148,10 @@ def test_norm_of_norms_of_nan_and_inf():
 def test_clip_factor_rules():
     norm = jnp.array([2.0, 2.0, 2.0, math.nan, 0.0])
     threshold = jnp.array([1.0, math.inf, math.nan, 1.0, 0.0])
+    # A threshold <= 0 gives the factor 0 (zeros for every tree, the zero
+    # tree included); a NaN threshold (an adaptive rule's) makes it NaN.
     np.testing.assert_array_equal(
-        _adaptive.clip_factor(norm, threshold), [0.5, 1.0, math.nan, math.nan, 1.0]
+        _common.clip_scale(norm, threshold), [0.5, 1.0, math.nan, math.nan, 0.0]
     )
 
 

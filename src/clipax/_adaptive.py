@@ -115,15 +115,6 @@ def check_positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
 
 
-# Numerics shared by the rules.
-
-
-def clip_factor(norm: jax.Array, threshold: jax.Array) -> jax.Array:
-    """`clipax`'s clip factor `t / max(norm, t)`, NaN when `t` is NaN."""
-    scale = _common.clip_scale(norm, threshold)
-    return jnp.where(jnp.isnan(threshold), jnp.nan, scale).astype(norm.dtype)
-
-
 # The transformation every rule shares.
 
 
@@ -219,7 +210,11 @@ def transformation(
             for name, value in stats.items()
         }
         kept_threshold = jnp.where(finite, threshold, old_threshold)
-        return kept, kept_threshold.astype(norm.dtype), clip_factor(norm, threshold)
+        return (
+            kept,
+            kept_threshold.astype(norm.dtype),
+            _common.clip_scale(norm, threshold),
+        )
 
     def _per_leaf_update(
         updates: optax.Updates,
@@ -235,10 +230,6 @@ def transformation(
         norms = [
             n.astype(dtype) for n in _engine.tensor_norms(leaves, whole, placements)
         ]
-        # Finished buffers (barriers copy nothing): fused into the global norm's
-        # kernel, every leaf's reduction made one kernel of hundreds of inputs,
-        # and the rule fused into each leaf's scaling redid it per element.
-        norms = jax.lax.optimization_barrier(norms)
         stacked = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
         total = _engine.norm_of_norms(stacked)
         step = jax.jit(_step)
@@ -268,10 +259,9 @@ def transformation(
         def as_tree(values: list[jax.Array]) -> Any:
             return jax.tree.unflatten(treedef, values)
 
-        scales = jax.lax.optimization_barrier([scale for _, _, scale in results])
         scaled = [
             _common.apply_scale(x, scale)
-            for x, scale in zip(leaves, scales, strict=True)
+            for x, (_, _, scale) in zip(leaves, results, strict=True)
         ]
         new_state = state_cls(
             **{name: as_tree([kept[name] for kept, _, _ in results]) for name in names},

@@ -427,28 +427,38 @@ def _sqrt_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
 def clip_scale(norm: jax.Array, max_norm: Any) -> jax.Array:
     """The factor `max_norm / max(norm, max_norm)`, in the norm's dtype.
 
-    The rules: 1 when `norm <= max_norm` (a zero norm never divides); NaN when
-    the norm is NaN or inf; 0 for a nonzero norm when a traced `max_norm` is
-    <= 0. Differentiable, with finite gradients wherever the norm is finite
-    (at an infinite norm, whose factor is NaN, so is its derivative). A factor
-    below the smallest normal float (1.2e-38 in float32: `max_norm` under
-    1e-38 times the norm) is flushed to 0 by XLA's CPU backend; XLA's GPU
-    backend keeps such subnormal factors.
+    The rules: exactly 1 when `norm <= max_norm` (a zero norm never divides);
+    NaN when the norm or `max_norm` is NaN, or the norm inf; 0 when a traced
+    `max_norm` is <= 0 (every tree then comes out as zeros). Differentiable,
+    with finite gradients wherever the norm is finite (at an infinite norm,
+    whose factor is NaN, so is its derivative). A factor below the smallest
+    normal float (1.2e-38 in float32: `max_norm` under 1e-38 times the norm)
+    is flushed to 0 by XLA's CPU backend; XLA's GPU backend keeps such
+    subnormal factors.
     """
-    threshold = jnp.asarray(max_norm).astype(norm.dtype)
-    over = norm > threshold
-    one = jnp.ones_like(norm)
-    # Every rule is in the operands and the quotient is the last operation, so
-    # the factor is a finished buffer: XLA fuses cheap selects after a divide
-    # into each consumer, where every leaf's scaling kernel redid them
-    # (`clip_by_norm` ran 1.4-1.5 x the bare formula's time on 100 x 40k, now
-    # 1.1-1.3 x, and 1.2 x on ResNet-50, now 1.07 x; benchmarks/RESULTS.md).
-    # Where the factor is 1 the quotient is 1 / 1: an inf there (threshold inf,
-    # or huge over a tiny norm) would make the derivative inf * 0 = NaN.
-    finite = jnp.where(over, jnp.maximum(threshold, 0), one)
-    numerator = jnp.where(jnp.isfinite(norm), finite, jnp.nan)
-    denominator = jnp.where(over & (norm > 0), norm, one)
-    return divide(numerator, denominator).astype(norm.dtype)
+    return scale_from_terms(norm, threshold_terms(max_norm, norm.dtype))
+
+
+def threshold_terms(max_norm: Any, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """The numerator and the denominator's floor of `clip_scale`, taken once
+    per threshold t: max(t, 0) and max(t, tiny), t capped at the largest
+    float (an inf threshold clips nothing: largest / largest = 1)."""
+    info = np.finfo(dtype)
+    threshold = jnp.minimum(jnp.asarray(max_norm).astype(dtype), info.max)
+    return jnp.maximum(threshold, 0), jnp.maximum(threshold, info.tiny)
+
+
+def scale_from_terms(norm: jax.Array, terms: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """`clip_scale` of `norm`, given `threshold_terms` of its threshold.
+
+    Four operations per norm, for XLA's compile time grows with each of them
+    times every leaf in per-tensor rules (benchmarks/RESULTS.md): `norm * 0`
+    is 0, or NaN for an inf or NaN norm; at or below the threshold the
+    quotient is t / t = 1 exactly; the floor keeps it from being 0 / 0 for a
+    threshold <= 0.
+    """
+    numerator, floor = terms
+    return divide(numerator + norm * 0, jnp.maximum(norm, floor))
 
 
 def apply_scale(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ from clipax import _common, _engine, _placement
 from clipax._peers import peer_names
 
 # Jitted, so that leaves of one shape and dtype share one trace.
-_clip_factor = jax.jit(_common.clip_scale)
+_clip_factor = jax.jit(_common.scale_from_terms)
 
 
 def _peak(norms: jax.Array) -> jax.Array:
@@ -46,10 +46,12 @@ def clip_by_norm_with_norms(
     placements = _placement.leaf_placements(flat, specs, axis_name)
     leaves = [x for _, x in flat]
     norms = _engine.tensor_norms(leaves, leaf_axes, placements)
-    clipped = [
-        _common.apply_scale(x, _clip_factor(n, max_norm))
-        for x, n in zip(leaves, norms, strict=True)
-    ]
+    terms: dict[Any, Any] = {}  # per accumulation dtype, once
+    clipped = []
+    for x, n in zip(leaves, norms, strict=True):
+        if n.dtype not in terms:
+            terms[n.dtype] = _common.threshold_terms(max_norm, n.dtype)
+        clipped.append(_common.apply_scale(x, _clip_factor(n, terms[n.dtype])))
     peaks = [_peak(n) for n in norms]
     if placements is not None and peaks:  # slices of a leaf may be on other devices
         everywhere = _placement.pmax_everywhere(

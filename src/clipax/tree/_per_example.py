@@ -69,7 +69,8 @@ def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
     scales = _common.clip_scale(norms, clip)
-    return scales, jnp.sum(scales < 1).astype(jnp.int32)
+    clipped = norms > jnp.asarray(clip, norms.dtype)  # as optax counts them
+    return scales, jnp.sum(clipped).astype(jnp.int32)
 
 
 def per_example_global_norm_clip(
