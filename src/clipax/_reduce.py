@@ -307,9 +307,26 @@ def global_norm(
 
 
 def _varying(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes over which `x` varies inside `shard_map`."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
+    """The manual mesh axes over which `x` varies inside `shard_map`.
+
+    JAX 0.10 and later name them `jax.typeof(x).manual_axis_type.varying`,
+    earlier releases `jax.typeof(x).vma`. With neither, values that vary over
+    different axes would be packed together and all typed as varying over
+    every one of them, so this fails instead of guessing.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    raise NotImplementedError(
+        f"clipax cannot tell over which mesh axes a value varies with JAX "
+        f"{jax.__version__}: its abstract values have neither "
+        "`manual_axis_type` nor `vma`. Install a JAX that clipax supports "
+        "(see its pyproject.toml)."
+    )
 
 
 def _next_scale(total: jax.Array, p: float) -> jax.Array:
