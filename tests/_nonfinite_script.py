@@ -16,7 +16,8 @@ import clipax
 
 
 def main() -> None:
-    mesh = jax.make_mesh((8,), ("d",))
+    # Axis types named: JAX 0.8 warns that its default changes in 0.9.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     specs = {"w": P("d"), "b": P()}
     w = np.ones((8, 4), np.float32)
     bad = {"w": w, "b": np.array([1.0, np.nan], np.float32)}

@@ -243,7 +243,10 @@ def test_sharded_leaves_are_never_concatenated(
 
 @pytest.mark.devices(8)
 def test_can_concatenate_rules() -> None:
-    explicit = jax.make_mesh((2, 4), ("a", "b"))
+    # Axis types named: `jax.make_mesh`'s default is Auto before JAX 0.9.
+    explicit = jax.make_mesh(
+        (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
     auto = jax.make_mesh(
         (2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
