@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import pathlib
+import re
 
 import optax
 
@@ -38,6 +39,8 @@ def test_version_and_typing_marker() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
+    # CI builds the README's environment once, with the README's extras among
+    # its own, and runs the README's test command in it.
     root = pathlib.Path(__file__).parent.parent
     readme = (root / "README.md").read_text()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
@@ -46,4 +49,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     ]
     assert len(commands) == 2, commands
     assert "examples/quickstart.py" in commands[0]
-    assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+    make, install, test = commands[1].split(" && ")
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert ci.count(make) == 1, make
+    extras = re.compile(r'\.venv/bin/pip install (?:-q )?-e "\.\[([\w,-]+)\]"')
+    wanted = extras.fullmatch(install)
+    assert wanted, install
+    installs = [m for m in map(extras.fullmatch, ci) if m]
+    assert len(installs) == 1, installs
+    assert set(wanted[1].split(",")) <= set(installs[0][1].split(","))
+    assert test in ci, test
