@@ -16,7 +16,7 @@ import clipax
 
 
 def main() -> None:
-    # Axis types named: JAX 0.8 warns that its default changes in 0.9.
+    # Axis types named: JAX 0.8.3 warns that the default changes in 0.9.
     mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
     specs = {"w": P("d"), "b": P()}
     w = np.ones((8, 4), np.float32)
