@@ -1,4 +1,5 @@
-"""Test set-up: the devices JAX sees, the `devices` marker, hypothesis profiles.
+"""Test set-up: the devices JAX sees, the `devices` marker, hypothesis profiles,
+and how many processes run the suite.
 
 By default (and in CI) the suite runs on 8 CPU devices, forced before JAX is
 imported. `CLIPAX_TEST_DEVICES=native` keeps the machine's own backend and
@@ -54,6 +55,22 @@ def state_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(_states, "REGISTRY", dict(_states.REGISTRY))
     return _states
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """How many processes `-n auto` (pyproject.toml's addopts) runs the
+    suite in: one per CPU core, at most 4 (one process grew to 4 GB over
+    the suite), or none (the suite runs in this process) with
+    CLIPAX_TEST_DEVICES=native, where each process would take the whole
+    accelerator. PYTEST_XDIST_AUTO_NUM_WORKERS overrides it."""
+    del config
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist reads it
+    if DEVICES == "native":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    return min(cores or os.cpu_count() or 1, 4)
 
 
 def pytest_report_header() -> str:

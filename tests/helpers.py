@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -12,8 +14,37 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+
+# Why a test of XLA's output holds from jaxlib 0.10.2 on only.
+UNFUSED_REDUCTIONS = (
+    "with an older jaxlib, XLA's CPU backend writes a reduction's elementwise "
+    "operands (squares, float32 upcasts) out whole before reducing them"
+)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numeric components of a version: "0.9.0.1" -> (0, 9, 0, 1)."""
+    return tuple(int(p) for p in itertools.takewhile(str.isdigit, version.split(".")))
+
+
+def xla_output_since(jaxlib: str, why: str) -> pytest.MarkDecorator:
+    """Marks a test of the HLO (or the memory) that XLA compiles, which holds
+    with jaxlib `jaxlib` and later: skipped with an older jaxlib, the reason
+    naming both versions and `why` it differs there.
+
+    Only for tests of XLA's optimizations; a test of behaviour must pass on
+    every version clipax supports.
+    """
+    installed = importlib.metadata.version("jaxlib")
+    return pytest.mark.skipif(
+        _release(installed) < _release(jaxlib),
+        reason=f"checks XLA's compiled output as of jaxlib {jaxlib} and later "
+        f"(installed: {installed}): {why}",
+    )
 
 
 def load_vectors() -> list[dict[str, Any]]:

@@ -41,6 +41,8 @@ def test_version_and_typing_marker() -> None:
 
 
 def test_ci_runs_the_readme_test_command() -> None:
+    # CI builds the README's environment once, with the README's extras among
+    # its own, and runs the README's test command in it.
     root = pathlib.Path(__file__).parent.parent
     readme = (root / "README.md").read_text()
     quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
@@ -49,7 +51,16 @@ def test_ci_runs_the_readme_test_command() -> None:
     ]
     assert len(commands) == 2, commands
     assert "examples/quickstart.py" in commands[0]
-    assert commands[1] in (root / ".ci" / "run").read_text().splitlines()
+    make, install, test = commands[1].split(" && ")
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert ci.count(make) == 1, make
+    extras = re.compile(r'\.venv/bin/pip install (?:-q )?-e "\.\[([\w,-]+)\]"')
+    wanted = extras.fullmatch(install)
+    assert wanted, install
+    installs = [m for m in map(extras.fullmatch, ci) if m]
+    assert len(installs) == 1, installs
+    assert set(wanted[1].split(",")) <= set(installs[0][1].split(","))
+    assert test in ci, test
 
 
 # A private name in JAX's packages: a dotted path below jax or jaxlib with a part

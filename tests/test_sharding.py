@@ -191,6 +191,40 @@ def test_small_leaves_in_shard_map_equal_one_device(
     assert len(psums) == (1 if axes is None else 0), psums  # rows: not reduced
 
 
+@pytest.mark.devices(8)
+def test_local_per_leaf_clipping_keeps_what_each_leaf_varies_over(
+    mesh: jax.sharding.Mesh,
+) -> None:
+    # Without `specs`, each leaf is clipped by its own block's norm. The leaves
+    # vary over different mesh axes (or none), in stacks of small leaves of
+    # one shape and as whole leaves: each output varies over its own leaf's
+    # axes only, as `out_specs` requires (one pack or stack for leaves of
+    # different axes would make every output vary over all of them).
+    rng = np.random.default_rng(5)
+    shapes = {"x": (4, 4), "y": (8,), "z": (3,)}
+    shapes |= {"s0": (4, 3), "s1": (4, 3), "t0": (8, 3), "t1": (8, 3), "r": (2, 3)}
+    host = {k: (3.0 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+    specs = {"x": P("data"), "y": P("model"), "z": P(), "r": P()}
+    specs |= {"s0": P("data"), "s1": P("data"), "t0": P("model"), "t1": P("model")}
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t: clipax.tree.clip_by_norm(t, 1.0),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=specs,
+        )
+    )
+    got = fn(_shard(mesh, host, specs))
+    for key, x in host.items():
+        blocks = {"data": 2, "model": 4}.get(specs[key][0] if specs[key] else "", 1)
+        want = []
+        for block in np.split(x.astype(np.float64), blocks):
+            norm = np.linalg.norm(block)
+            want.append(block * 1.0 / max(norm, 1.0))
+        np.testing.assert_allclose(got[key], np.concatenate(want), rtol=1e-6)
+        assert np.linalg.norm(x) > 1.0, key  # every leaf is clipped
+
+
 def _collectives(jaxpr: Any, counts: dict[str, int]) -> None:
     """Counts psum/pmax equations, those inside `cond` branches and `while`
     loops apart (keyed "cond psum", "while psum")."""
@@ -294,8 +328,10 @@ def test_axis_name_and_specs_together(mesh: jax.sharding.Mesh) -> None:
         (
             {"w": P(), "x": P("data", "model")},
             ValueError,
-            r"gives P\('data', 'model'\) to the leaf at \['x'\], which "
-            r"has rank 1",
+            # The spec as this JAX prints it: `P(...)`, or `PartitionSpec(...)`
+            # in older releases.
+            rf"gives {re.escape(str(P('data', 'model')))} to the leaf at \['x'\], "
+            r"which has rank 1",
         ),
         ({"w": P(), "x": "data"}, TypeError, r"at \['x'\] it holds 'data'"),
         ([P(), P()], ValueError, r"no PartitionSpec for the leaf at \['w'\]"),
