@@ -32,9 +32,7 @@ statistics, and its rule; the factory checks the arguments and returns
 
 from __future__ import annotations
 
-import math
 import numbers
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -96,23 +94,18 @@ def check_count(
 
 def check_open_unit(name: str, value: Any) -> None:
     """A real number strictly between 0 and 1, unless traced."""
-    if _common.is_traced(value):
-        return
     accepted = "a real number strictly between 0 and 1"
-    array = _common.concrete_real(name, value, accepted)
-    if array.ndim != 0 or not 0 < array < 1:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    _common.check_scalar(
+        name, value, accepted, low=0, high=1, low_open=True, high_open=True
+    )
 
 
 def check_positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
     """A real number > 0, finite unless `inf_ok`; not checked when traced."""
-    if _common.is_traced(value):
-        return
     accepted = "a real number > 0 or inf" if inf_ok else "a finite real number > 0"
-    array = _common.concrete_real(name, value, accepted)
-    largest = math.inf if inf_ok else sys.float_info.max
-    if array.ndim != 0 or not 0 < array <= largest:  # also catches NaN
-        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    _common.check_scalar(
+        name, value, accepted, low=0, low_open=True, high_open=not inf_ok
+    )
 
 
 # The transformation every rule shares.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -82,12 +81,7 @@ def _clip_unit(
 
 
 def _check_eps(eps: Any) -> None:
-    if _common.is_traced(eps):
-        return
-    accepted = "a finite real number >= 0"
-    array = _common.concrete_real("eps", eps, accepted)
-    if array.ndim != 0 or not 0 <= array < math.inf:  # also catches NaN
-        raise ValueError(f"`eps` must be {accepted}; got {eps!r}.")
+    _common.check_scalar("eps", eps, "a finite real number >= 0", low=0, high_open=True)
 
 
 def adaptive_grad_clip(

@@ -50,12 +50,8 @@ def masked_percentile(values: jax.Array, n: jax.Array, q: ArrayLike) -> jax.Arra
 
 
 def _check_percentile(percentile: Any) -> None:
-    if _common.is_traced(percentile):
-        return
     accepted = "a real number in [0, 100]"
-    array = _common.concrete_real("percentile", percentile, accepted)
-    if array.ndim != 0 or not 0 <= array <= 100:  # also catches NaN
-        raise ValueError(f"`percentile` must be {accepted}; got {percentile!r}.")
+    _common.check_scalar("percentile", percentile, accepted, low=0, high=100)
 
 
 def autoclip_rule(

@@ -222,32 +222,49 @@ def int_as_float(value: int) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-def check_max_norm(name: str, value: Any) -> None:
-    """A norm threshold: a positive scalar (inf allowed), unless traced."""
+def check_scalar(
+    name: str,
+    value: Any,
+    accepted: str,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """A real scalar argument within [low, high] (either end open), unless
+    traced (a traced value is not checked).
+
+    Raises:
+      TypeError: if `value` is not a real number or array (`concrete_real`).
+      ValueError: naming `name`, saying it must be `accepted`, and showing
+        the value (or the shape of an array), if it is not a scalar, is NaN,
+        or lies outside the bounds.
+    """
     if is_traced(value):
         return
-    accepted = f"a positive scalar ({THRESHOLD_TYPES}); inf means no clipping"
     array = concrete_real(name, value, accepted)
     if array.ndim != 0:
         raise ValueError(
             f"`{name}` must be {accepted}; got an array of shape {array.shape}."
         )
-    if not array > 0:  # also catches NaN
+    above = array > low if low_open else array >= low
+    below = array < high if high_open else array <= high
+    if not (above and below):  # NaN is neither
         raise ValueError(f"`{name}` must be {accepted}; got {short_repr(value)}.")
+
+
+def check_max_norm(name: str, value: Any) -> None:
+    """A norm threshold: a positive scalar (inf allowed), unless traced."""
+    accepted = f"a positive scalar ({THRESHOLD_TYPES}); inf means no clipping"
+    check_scalar(name, value, accepted, low=0, low_open=True)
 
 
 def check_use_norm(value: Any) -> None:
     """A norm given in place of the computed one: a scalar >= 0, unless traced."""
-    if value is None or is_traced(value):
-        return
-    accepted = f"None or a scalar norm >= 0 ({THRESHOLD_TYPES})"
-    array = concrete_real("use_norm", value, accepted)
-    if array.ndim != 0:
-        raise ValueError(
-            f"`use_norm` must be {accepted}; got an array of shape {array.shape}."
-        )
-    if array < 0:
-        raise ValueError(f"`use_norm` must be {accepted}; got {short_repr(value)}.")
+    if value is not None:
+        accepted = f"None or a scalar norm >= 0 ({THRESHOLD_TYPES})"
+        check_scalar("use_norm", value, accepted, low=0)
 
 
 def check_bounds(min_value: Any, max_value: Any) -> None:

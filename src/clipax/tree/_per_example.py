@@ -19,15 +19,7 @@ CLIP_ACCEPTED = (
 
 
 def _check_clip(name: str, value: Any) -> None:
-    if _common.is_traced(value):
-        return
-    array = _common.concrete_real(name, value, CLIP_ACCEPTED)
-    if array.ndim != 0:
-        raise ValueError(
-            f"`{name}` must be {CLIP_ACCEPTED}; got an array of shape {array.shape}."
-        )
-    if not array >= 0:  # also catches NaN
-        raise ValueError(f"`{name}` must be {CLIP_ACCEPTED}; got {value!r}.")
+    _common.check_scalar(name, value, CLIP_ACCEPTED, low=0)
 
 
 def _batched_leaves(grads: chex.ArrayTree, fn_name: str) -> list[Any]:
@@ -69,7 +61,8 @@ def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
     scales = _common.clip_scale(norms, clip)
-    clipped = norms > jnp.asarray(clip, norms.dtype)  # as optax counts them
+    # As optax counts them, but for a non-finite norm (its example is NaN).
+    clipped = (norms > jnp.asarray(clip, norms.dtype)) & jnp.isfinite(norms)
     return scales, jnp.sum(clipped).astype(jnp.int32)
 
 
