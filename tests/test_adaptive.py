@@ -165,8 +165,8 @@ class RunningMaxState(NamedTuple):
     thresholds: chex.ArrayTree
 
 
-def running_max_rule(stats, norm, count, total):
-    del count, total
+def running_max_rule(stats, norm, shared):
+    del shared
     peak = jnp.maximum(stats["peak"], norm)
     return jnp.where(stats["peak"] > 0, 0.5 * peak, jnp.inf), {"peak": peak}
 

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -29,6 +30,50 @@ class AdaGCState(NamedTuple):
     # clipped to, or would have been clipped to (inf before the first step)
 
 
+def adagc_shared(
+    count: jax.Array, total: jax.Array, *, max_norm: ArrayLike, warmup_steps: int
+) -> dict[str, jax.Array]:
+    """What every leaf's step reads, once per step: whether the step is in the
+    warm-up, and the warm-up's global clip factor."""
+    return {
+        "warming": count < warmup_steps,
+        "factor": _common.clip_scale(total, max_norm),
+    }
+
+
+def adagc_leaf(
+    stats: _adaptive.Stats,
+    norm: jax.Array,
+    shared: dict[str, jax.Array],
+    *,
+    clip_ratio: ArrayLike,
+    alpha: ArrayLike,
+) -> tuple[jax.Array, _adaptive.Stats]:
+    """AdaGC's rule for one leaf's `norm` (or a vector of them), given
+    `adagc_shared`."""
+    ema = stats["ema"]
+    dtype = ema.dtype
+    unseen = ema == np.inf
+
+    # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
+    # nonzero clipped norm of each leaf.
+    warm_clipped = norm * shared["factor"]  # all NaN when the total is not finite
+    warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(ema, warm_clipped), ema)
+
+    # After: each leaf clipped to `clip_ratio` times its EMA, which then
+    # follows the clipped norm. A leaf seen for the first time starts from its
+    # own norm; while its norms are 0 it stays unseen.
+    previous = jnp.where(unseen, norm, ema)
+    limit = jnp.asarray(clip_ratio, dtype) * previous
+    a = jnp.asarray(alpha, dtype)
+    ema_after = a * previous + (1 - a) * jnp.minimum(norm, limit)
+    ema_after = jnp.where(unseen & (norm == 0), ema, ema_after)
+
+    warming = shared["warming"]
+    threshold = jnp.where(warming, warm_clipped, limit)
+    return threshold, {"ema": jnp.where(warming, warm_ema, ema_after)}
+
+
 def adagc_rule(
     stats: _adaptive.Stats,
     norms: jax.Array,
@@ -40,33 +85,12 @@ def adagc_rule(
     alpha: ArrayLike,
     warmup_steps: int,
 ) -> tuple[jax.Array, _adaptive.Stats]:
-    """AdaGC's rule for the leaves' `norms` (see `adagc`): one leaf's, or a
-    vector of them, with `total` their global norm (by default that of
-    `norms`)."""
-    ema = stats["ema"]
-    dtype = ema.dtype
-    unseen = jnp.isinf(ema)
-
-    # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
-    # nonzero clipped norm of each leaf.
+    """AdaGC's rule for the leaves' `norms` (see `adagc`), with `total` their
+    global norm (by default that of `norms`)."""
     if total is None:
         total = _engine.norm_of_norms(norms)
-    factor = _common.clip_scale(total, max_norm)
-    warm_clipped = norms * factor  # all NaN when the total is NaN or inf
-    warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(ema, warm_clipped), ema)
-
-    # After: each leaf clipped to `clip_ratio` times its EMA, which then
-    # follows the clipped norm. A leaf seen for the first time starts from its
-    # own norm; while its norms are 0 it stays unseen.
-    previous = jnp.where(unseen, norms, ema)
-    limit = jnp.asarray(clip_ratio, dtype) * previous
-    a = jnp.asarray(alpha, dtype)
-    ema_after = a * previous + (1 - a) * jnp.minimum(norms, limit)
-    ema_after = jnp.where(unseen & (norms == 0), ema, ema_after)
-
-    warming = count < warmup_steps
-    threshold = jnp.where(warming, warm_clipped, limit)
-    return threshold, {"ema": jnp.where(warming, warm_ema, ema_after)}
+    shared = adagc_shared(count, total, max_norm=max_norm, warmup_steps=warmup_steps)
+    return adagc_leaf(stats, norms, shared, clip_ratio=clip_ratio, alpha=alpha)
 
 
 def adagc(
@@ -171,19 +195,15 @@ def adagc(
     _adaptive.check_open_unit("alpha", alpha)
     warmup = _adaptive.check_count("warmup_steps", warmup_steps, minimum=0)
     _common.check_max_norm("max_norm", max_norm)
-    rule = functools.partial(
-        adagc_rule,
-        max_norm=max_norm,
-        clip_ratio=clip_ratio,
-        alpha=alpha,
-        warmup_steps=warmup,
-    )
+    rule = functools.partial(adagc_leaf, clip_ratio=clip_ratio, alpha=alpha)
+    shared = functools.partial(adagc_shared, max_norm=max_norm, warmup_steps=warmup)
     return _adaptive.transformation(
         "adagc",
         AdaGCState,
         lambda dtype: {"ema": jnp.full((), jnp.inf, dtype)},
         rule,
         per_leaf=True,
+        shared=shared,
         axis_name=axis_name,
         specs=specs,
     )

@@ -2,8 +2,8 @@
 
 A rule is a pure function of the statistics it keeps and the norm it sees:
 
-    rule(stats, norm, count) -> (threshold, new_stats)          # global rules
-    rule(stats, norm, count, total) -> (threshold, new_stats)   # per-tensor rules
+    rule(stats, norm, count) -> (threshold, new_stats)    # global rules
+    rule(stats, norm, shared) -> (threshold, new_stats)   # per-tensor rules
 
 - `stats`: the rule's own statistics, a dict of arrays (AutoClip's ring buffer,
   ZClip's mean and variance, AdaGC's EMA); for a per-tensor rule, one leaf's;
@@ -11,7 +11,9 @@ A rule is a pure function of the statistics it keeps and the norm it sees:
   one leaf's norm for a per-tensor rule (which is called once per leaf);
 - `count`: an int32 scalar, how many steps the statistics have seen (warm-ups
   read it);
-- `total`: for a per-tensor rule, the global norm of all the leaves;
+- `shared`: for a per-tensor rule, what every leaf's step reads, computed once
+  per step by the rule's `shared(count, total)` (`total` being the global norm
+  of all the leaves; by default `{"count": count, "total": total}`);
 - `threshold`: the shape of `norm`, the norm it is clipped to: `inf` lets it
   pass, NaN makes it all NaN.
 
@@ -118,6 +120,7 @@ def transformation(
     rule: Rule,
     *,
     per_leaf: bool = False,
+    shared: Callable[[jax.Array, jax.Array], Any] | None = None,
     ord: float = 2.0,
     axis_name: _placement.AxisName = None,
     specs: Any = None,
@@ -134,10 +137,13 @@ def transformation(
         are kept in: the arrays of a global rule, or one unit's scalars for a
         per-leaf rule (every leaf starts from them).
       rule: `rule(stats, norm, count) -> (threshold, new_stats)`; for a
-        per-leaf rule `rule(stats, norm, count, total)`, called for each leaf
-        with its own statistics and norm and the global norm `total`.
+        per-leaf rule `rule(stats, norm, shared)`, called for each leaf with
+        its own statistics and norm.
       per_leaf: whether each leaf is clipped by its own norm (else all leaves
         by their global norm).
+      shared: for a per-leaf rule, `shared(count, total)`: the values every
+        leaf's step reads, computed once per step (every operation in the
+        per-leaf step is repeated for each leaf, and costs compile time).
       ord: the global norm's order (global rules only).
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over (see `clipax.tree.global_norm`).
@@ -190,12 +196,11 @@ def transformation(
         stats: Stats,
         norm: jax.Array,
         old_threshold: jax.Array,
-        count: jax.Array,
-        *total: jax.Array,
+        context: Any,
     ) -> tuple[Stats, jax.Array, jax.Array]:
         """The rule, with the NaN rule (a non-finite norm leaves its unit's
         statistics and threshold alone), and the clip factor."""
-        threshold, new_stats = rule(stats, norm, count, *total)
+        threshold, new_stats = rule(stats, norm, context)
         threshold = threshold.astype(norm.dtype)
         finite = jnp.isfinite(norm)
         kept = {
@@ -225,6 +230,7 @@ def transformation(
         ]
         stacked = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
         total = _engine.norm_of_norms(stacked)
+        context = (shared or _count_and_total)(state.count, total)
         step = jax.jit(_step)
         stats = (
             [
@@ -239,7 +245,7 @@ def transformation(
         )
         thresholds = jax.tree.leaves(state.thresholds)
         results = [
-            step(s, n, t, state.count, total)
+            step(s, n, t, context)
             for s, n, t in zip(stats, norms, thresholds, strict=True)
         ]
         count = jnp.where(
@@ -266,6 +272,10 @@ def transformation(
         return as_tree(scaled), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _count_and_total(count: jax.Array, total: jax.Array) -> dict[str, jax.Array]:
+    return {"count": count, "total": total}
 
 
 _SHARED_FIELDS = ("count", "norm", "threshold", "norms", "thresholds")
