@@ -408,15 +408,22 @@ def build_pair(
     place: Callable[[Tree], Tree] | None = None,
 ) -> tuple[Built, Built]:
     """`compiles` fresh builds of each side, in the order ours, theirs, theirs,
-    ours, ...; each side keeps its first build's call and its least compile."""
-    builds: tuple[list[Built], list[Built]] = ([], [])
+    ours, ...; each side keeps its first build's call and its least compile
+    (the later builds' arrays are dropped at once: on forced host devices a
+    model's replicated state fills the memory)."""
+    kept: list[Built | None] = [None, None]
     for i in range(compiles):
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            tx = (make_ours, make_theirs)[side]()
-            builds[side].append(build(tx, tree, place))
-    ours, theirs = (
-        b[0]._replace(compile_s=min(x.compile_s for x in b)) for b in builds
-    )
+            built = build((make_ours, make_theirs)[side](), tree, place)
+            first = kept[side]
+            kept[side] = (
+                built
+                if first is None
+                else first._replace(compile_s=min(first.compile_s, built.compile_s))
+            )
+            del built
+    ours, theirs = kept
+    assert ours is not None and theirs is not None
     return ours, theirs
 
 

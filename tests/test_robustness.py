@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import clipax
+from clipax import _placement
 from tests import helpers
 
 ORDS = [1, 1.5, 2, 3, math.inf]
@@ -62,6 +63,21 @@ def test_norm_is_exact_for_every_finite_input(name: str, ord: float) -> None:
         norm = fn(tree, ord=ord)
         assert norm.dtype == jnp.float32
         np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("ord", ORDS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_norm_is_exact_for_every_finite_input_with_leaves_known_whole(
+    monkeypatch: pytest.MonkeyPatch, name: str, ord: float
+) -> None:
+    # The suite's 8 devices leave a traced leaf's placement unknown (both
+    # passes in one loop); on one device, or with known placements, small
+    # leaves are bucketed and the second pass is a `lax.cond` branch.
+    monkeypatch.setattr(_placement, "is_whole", lambda x: True)
+    tree = TREES[name]
+    expected = helpers.ref_global_norm(tree, ord)
+    norm = jax.jit(clipax.tree.global_norm, static_argnames="ord")(tree, ord=ord)
+    np.testing.assert_allclose(norm, expected, rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("ord", ORDS)
@@ -223,12 +239,19 @@ def test_norm_under_vmap_and_second_derivatives(scale: float) -> None:
     np.testing.assert_allclose(row, expected[0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["bucketable", "unknown"])
 @pytest.mark.parametrize("ord", [1, 1.5, 2])
-def test_the_common_path_is_one_plain_pass(ord: float) -> None:
-    # Under jit, the first pass is each large leaf's bare reduction, with no
-    # scale multiplied in (XLA's CPU backend runs a bare sum of squares about
-    # twice as fast as a sum of scaled squares); the pass that repairs
-    # overflow and underflow is in the branch of one `lax.cond`.
+def test_the_common_path_is_one_plain_pass(
+    monkeypatch: pytest.MonkeyPatch, ord: float, whole: bool
+) -> None:
+    # Under jit, with leaves known to be whole on their device, the first pass
+    # is each large leaf's bare reduction, with no scale multiplied in (XLA's
+    # CPU backend runs a bare sum of squares about twice as fast as a sum of
+    # scaled squares); the pass that repairs overflow and underflow is in the
+    # branch of one `lax.cond`. Where their placement is unknown (several
+    # devices, automatic mesh axes), both passes are one loop body, in which
+    # each leaf is reduced once.
+    monkeypatch.setattr(_placement, "is_whole", lambda x: whole)
     tree = [jnp.ones((100, 100)), jnp.ones((64, 80)), jnp.ones((5000,))]
     jaxpr = jax.make_jaxpr(lambda t: clipax.tree.global_norm(t, ord=ord))(tree)
     reductions: dict[str, int] = {}
@@ -238,7 +261,10 @@ def test_the_common_path_is_one_plain_pass(ord: float) -> None:
         if large and eqn.primitive.name == "reduce_sum":
             reductions[inside] = reductions.get(inside, 0) + 1
         multiplies += large and eqn.primitive.name == "mul" and not inside
-    assert reductions == {"": len(tree), "cond": len(tree)}, reductions
+    if whole:
+        assert reductions == {"": len(tree), "cond": len(tree)}, reductions
+    else:
+        assert reductions == {"while": len(tree)}, reductions
     assert multiplies == 0
     for scale in (1e-30, 1.0, 1e30):
         scaled = [x * scale for x in tree]

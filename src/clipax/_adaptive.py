@@ -21,9 +21,10 @@ Each rule is tested on its own against its paper's formula. `transformation`
 makes an Optax transformation of a rule and does the parts every rule shares,
 once: the norms through the engine (`clipax._engine`, with `specs` /
 `axis_name` for sharded leaves), the state's `count`, `norm` and threshold
-fields, the NaN rule (a unit whose norm is NaN or inf keeps its statistics and
-comes out NaN; the count advances only on a step whose norms are all finite),
-and the clipping itself, TensorFlow's formula `x * t / max(norm, t)`.
+fields, the NaN rule (a leaf, or an update, whose norm is NaN or inf keeps its
+statistics and comes out NaN; the count advances only on a step whose norms
+are all finite), and the clipping itself, TensorFlow's formula
+`x * t / max(norm, t)`.
 
 To add a rule: write its `NamedTuple` state (its statistics, then `count`,
 `norm` and `threshold`, or `norms` and `thresholds` per leaf), registered with
@@ -134,7 +135,7 @@ def transformation(
         the fields of `init_stats` (each a tree with a scalar per leaf),
         `count`, `norm` (the global norm), `norms` and `thresholds` (trees).
       init_stats: the statistics before the first step, given the dtype they
-        are kept in: the arrays of a global rule, or one unit's scalars for a
+        are kept in: the arrays of a global rule, or one leaf's scalars for a
         per-leaf rule (every leaf starts from them).
       rule: `rule(stats, norm, count) -> (threshold, new_stats)`; for a
         per-leaf rule `rule(stats, norm, shared)`, called for each leaf with
@@ -198,7 +199,7 @@ def transformation(
         old_threshold: jax.Array,
         context: Any,
     ) -> tuple[Stats, jax.Array, jax.Array]:
-        """The rule, with the NaN rule (a non-finite norm leaves its unit's
+        """The rule, with the NaN rule (a non-finite norm leaves its
         statistics and threshold alone), and the clip factor."""
         threshold, new_stats = rule(stats, norm, context)
         threshold = threshold.astype(norm.dtype)
@@ -289,7 +290,7 @@ def stateless(
     """A transformation with `optax.EmptyState` whose update is `clip`.
 
     For the rules with no statistics (AGC, block RMS): their threshold is a
-    function of each unit alone. `init` checks that every leaf of the params
+    function of each leaf (or slice) alone. `init` checks that every leaf of the params
     can have a norm, and `check_leaf(path, leaf)` if given.
     """
 
