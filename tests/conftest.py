@@ -50,10 +50,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture
 def state_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """`clipax._states`, whose registry forgets after the test what it registers."""
+    """`clipax._states`, which forgets after the test the classes it declares."""
     from clipax import _states
 
-    monkeypatch.setattr(_states, "REGISTRY", dict(_states.REGISTRY))
+    monkeypatch.setattr(_states, "DECLARED", dict(_states.DECLARED))
     return _states
 
 

@@ -309,3 +309,14 @@ def equations(jaxpr: Any, inside: str = "") -> Any:
                 if hasattr(inner, "eqns"):
                     kind = name if name in ("cond", "while") else ""
                     yield from equations(inner, inside or kind)
+
+
+def clip_with_norms(
+    tree: Any, max_norm: float, axes: Any, specs: Any = None
+) -> tuple[Any, Any]:
+    """`clipax.clip_by_norm`'s update: the clipped tree and the norms it keeps."""
+    import clipax
+
+    tx = clipax.clip_by_norm(max_norm, axes, specs=specs)
+    out, state = tx.update(tree, tx.init(tree))
+    return out, state.norms

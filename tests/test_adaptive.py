@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from clipax import _adaptive, _common, _engine
+import clipax
+from clipax import _adaptive, _checks, _engine, _states
 from clipax._adagc import adagc_rule
 from clipax._autoclip import autoclip_rule
 from clipax._zclip import EPS, zclip_rule
@@ -30,10 +31,11 @@ f32 = np.float32
 def test_autoclip_rule_is_the_percentile_of_the_recent_norms(history, q):
     """Seetharaman et al., Algorithm 1: eta_c = percentile(G_h, p)."""
     rule = jax.jit(functools.partial(autoclip_rule, percentile=q))
-    stats = {"buffer": jnp.zeros(history, jnp.float32)}
+    state = clipax.autoclip(q, history=history).init(jnp.zeros(1))
     norms = spike_norms(40)
     for t, norm in enumerate(norms):
-        threshold, stats = rule(stats, jnp.float32(norm), jnp.int32(t))
+        state = state._replace(count=jnp.int32(t))
+        threshold, state = rule(state, jnp.float32(norm))
         recent = norms[max(0, t + 1 - history) : t + 1].astype(f32)
         np.testing.assert_allclose(threshold, np.percentile(recent, q), rtol=1e-6)
 
@@ -43,14 +45,16 @@ def test_zclip_rule_after_warmup_is_the_papers_formula(mode):
     """Kumar et al., eqs. 5-8: z = (g - mu) / sigma; clipped to mu + z_t**2 / z
     * sigma (adaptive) or mu + z_t * sigma; EMA of the clipped norm."""
     alpha, zt, mean, var = 0.97, 2.5, 2.0, 0.25
-    stats = {
-        "mean": jnp.float32(mean),
-        "variance": jnp.float32(var),
-        "warmup_norms": jnp.zeros(3, jnp.float32),
-    }
+    state = (
+        clipax.zclip(warmup_steps=3)
+        .init(jnp.zeros(1))
+        ._replace(
+            mean=jnp.float32(mean), variance=jnp.float32(var), count=jnp.int32(10)
+        )
+    )
     rule = functools.partial(zclip_rule, alpha=alpha, z_threshold=zt, mode=mode)
     for g in (1.0, 2.5, 9.0):
-        threshold, new = rule(stats, jnp.float32(g), jnp.int32(10))
+        threshold, new = rule(state, jnp.float32(g))
         std = math.sqrt(var)
         z = (g - mean) / (std + EPS)
         limit = mean + (zt**2 / z if mode == "adaptive" else zt) * std
@@ -58,23 +62,19 @@ def test_zclip_rule_after_warmup_is_the_papers_formula(mode):
         want = limit if z > zt else mean + zt * (std + EPS)
         np.testing.assert_allclose(threshold, want, rtol=1e-6)
         new_mean = alpha * mean + (1 - alpha) * clipped
-        np.testing.assert_allclose(new["mean"], new_mean, rtol=1e-6)
+        np.testing.assert_allclose(new.mean, new_mean, rtol=1e-6)
         new_var = alpha * var + (1 - alpha) * (clipped - new_mean) ** 2
-        np.testing.assert_allclose(new["variance"], new_var, rtol=1e-5)
+        np.testing.assert_allclose(new.variance, new_var, rtol=1e-5)
 
 
 def test_zclip_rule_warmup_records_then_starts_the_statistics():
     rule = functools.partial(zclip_rule, alpha=0.9, z_threshold=2.0, mode="std")
-    stats = {
-        "mean": jnp.float32(0),
-        "variance": jnp.float32(0),
-        "warmup_norms": jnp.zeros(2, jnp.float32),
-    }
-    threshold, stats = rule(stats, jnp.float32(1.0), jnp.int32(0))
-    assert math.isinf(threshold) and float(stats["mean"]) == 0.0
-    threshold, stats = rule(stats, jnp.float32(3.0), jnp.int32(1))
+    state = clipax.zclip(warmup_steps=2).init(jnp.zeros(1))
+    threshold, state = rule(state, jnp.float32(1.0))
+    assert math.isinf(threshold) and float(state.mean) == 0.0
+    threshold, state = rule(state._replace(count=jnp.int32(1)), jnp.float32(3.0))
     assert math.isinf(threshold)
-    assert float(stats["mean"]) == 2.0 and float(stats["variance"]) == 1.0
+    assert float(state.mean) == 2.0 and float(state.variance) == 1.0
 
 
 def test_adagc_rule_is_the_papers_formula():
@@ -85,19 +85,27 @@ def test_adagc_rule_is_the_papers_formula():
         adagc_rule, max_norm=2.0, clip_ratio=1.04, alpha=0.9, warmup_steps=2
     )
     inf = math.inf
+
+    def step(state, norms, count):
+        total = _engine.norm_of_norms(norms)
+        return rule(state._replace(count=jnp.int32(count)), norms, total)
+
+    state = clipax.AdaGCState(
+        ema=jnp.full(3, inf), count=jnp.int32(0), norm=0, norms=0, thresholds=0
+    )
     norms = jnp.array([3.0, 4.0, 0.0], jnp.float32)  # global 5, clipped to 2
-    threshold, stats = rule({"ema": jnp.full(3, inf)}, norms, jnp.int32(0))
+    threshold, state = step(state, norms, 0)
     np.testing.assert_allclose(threshold, [1.2, 1.6, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(stats["ema"], [1.2, 1.6, inf], rtol=1e-6)
+    np.testing.assert_allclose(state.ema, [1.2, 1.6, inf], rtol=1e-6)
     norms = jnp.array([1.0, 0.1, 0.0], jnp.float32)  # not clipped: minimum
-    threshold, stats = rule(stats, norms, jnp.int32(1))
-    np.testing.assert_allclose(stats["ema"], [1.0, 0.1, inf], rtol=1e-6)
+    threshold, state = step(state, norms, 1)
+    np.testing.assert_allclose(state.ema, [1.0, 0.1, inf], rtol=1e-6)
     norms = jnp.array([5.0, 0.1, 2.0], jnp.float32)  # after warm-up
-    threshold, stats = rule(stats, norms, jnp.int32(2))
+    threshold, state = step(state, norms, 2)
     np.testing.assert_allclose(threshold, [1.04, 0.104, 2.08], rtol=1e-6)
     clipped = np.array([1.04, 0.1, 2.0])
     gamma = np.array([1.0, 0.1, 2.0])  # the unseen third leaf starts from its norm
-    np.testing.assert_allclose(stats["ema"], 0.9 * gamma + 0.1 * clipped, rtol=1e-6)
+    np.testing.assert_allclose(state.ema, 0.9 * gamma + 0.1 * clipped, rtol=1e-6)
 
 
 # The shared parts.
@@ -151,7 +159,7 @@ def test_clip_factor_rules():
     # A threshold <= 0 gives the factor 0 (zeros for every tree, the zero
     # tree included); a NaN threshold (an adaptive rule's) makes it NaN.
     np.testing.assert_array_equal(
-        _common.clip_scale(norm, threshold), [0.5, 1.0, math.nan, math.nan, 0.0]
+        _engine.clip_factor(norm, threshold), [0.5, 1.0, math.nan, math.nan, 0.0]
     )
 
 
@@ -165,20 +173,39 @@ class RunningMaxState(NamedTuple):
     thresholds: chex.ArrayTree
 
 
-def running_max_rule(stats, norm, shared):
-    del shared
-    peak = jnp.maximum(stats["peak"], norm)
-    return jnp.where(stats["peak"] > 0, 0.5 * peak, jnp.inf), {"peak": peak}
+def running_max_rule(state, norms, total):
+    del total
+    peak = jnp.maximum(state.peak, norms)
+    return jnp.where(state.peak > 0, 0.5 * peak, jnp.inf), state._replace(peak=peak)
+
+
+def running_max_init(per_tensor, dtype):
+    return RunningMaxState(
+        peak=per_tensor(0),
+        count=jnp.zeros((), jnp.int32),
+        norm=jnp.zeros((), dtype),
+        norms=per_tensor(0),
+        thresholds=per_tensor(jnp.inf),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _declared(monkeypatch):
+    monkeypatch.setattr(_states, "DECLARED", dict(_states.DECLARED))
+    _states.declare(
+        "running_max",
+        scalars=("count", "norm"),
+        per_tensor={"peak": "peak", "norms": "norm", "thresholds": "threshold"},
+    )(RunningMaxState)
 
 
 def running_max(**kwargs) -> optax.GradientTransformation:
-    return _adaptive.transformation(
+    return _adaptive.tensor_rule(
         "running_max",
-        RunningMaxState,
-        lambda dtype: {"peak": jnp.zeros((), dtype)},
+        running_max_init,
         running_max_rule,
-        per_leaf=True,
-        **kwargs,
+        specs=kwargs.get("specs"),
+        axis_name=(),
     )
 
 
@@ -211,26 +238,15 @@ def test_a_new_rule_compiles_once():
     assert int(state.count) == 4
 
 
-def test_stateless_checks_the_params_at_init():
-    calls = []
-    tx = _adaptive.stateless(
-        "demo", lambda u, p: u, lambda path, leaf: calls.append(path)
-    )
-    assert tx.init({"a": jnp.ones(1), "b": None}) == optax.EmptyState()
-    assert len(calls) == 1
-    with pytest.raises(TypeError, match=r"`demo`.*\['i'\].*int32"):
-        tx.init({"i": jnp.zeros(1, jnp.int32)})
-
-
 @pytest.mark.parametrize(
     ("check", "value", "match"),
     [
-        (_adaptive.check_open_unit, 1.5, r"`x` must be a real number strictly"),
-        (_adaptive.check_positive, -1.0, r"`x` must be a finite real number > 0"),
-        (_adaptive.check_count, 0, r"`x` must be an int >= 1; got 0"),
+        (_checks.open_unit, 1.5, r"`x` must be a real number strictly"),
+        (_checks.positive, -1.0, r"`x` must be a finite real number > 0"),
+        (_checks.count, 0, r"`x` must be an int >= 1; got 0"),
     ],
 )
 def test_shared_argument_checks(check, value, match):
     with pytest.raises(ValueError, match=match):
         check("x", value)
-    assert _adaptive.check_count("x", np.int64(3), minimum=0) == 3
+    assert _checks.count("x", np.int64(3), minimum=0) == 3

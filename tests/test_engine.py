@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipax
-from clipax import _common, _engine, _placement
+from clipax import _engine, _placement
 from tests.helpers import UNFUSED_REDUCTIONS, ref_global_norm, xla_output_since
 
 ORDS = [1.0, 2.0, 1.5, math.inf]
@@ -45,7 +45,7 @@ def ragged_tree(seed: int, dtypes: tuple[Any, ...] = (jnp.float32,)) -> dict:
 
 def per_leaf_total(leaves: list[Any], p: float, dtype: Any) -> jax.Array:
     """The unbucketed sum (max for inf) of each leaf's own power sum."""
-    parts = [_common.power_sum(jnp.asarray(x), p).astype(dtype) for x in leaves]
+    parts = [_engine.power_sum(jnp.asarray(x), p).astype(dtype) for x in leaves]
     if not parts:
         return jnp.zeros((), dtype)
     return total(jnp.stack(parts), p)
@@ -112,14 +112,14 @@ def test_bucketed_sums_equal_per_leaf_sums(
 ) -> None:
     tree = ragged_tree(seed, dtypes)
     leaves = jax.tree.leaves(tree)
-    dtype = _common.tree_accum_dtype(leaves)
+    dtype = _engine.tree_accum_dtype(leaves)
     buckets, alone = _engine._buckets(leaves)  # eager leaves: concatenable
     assert any(len(b) > 1 for b in buckets) and alone
     partials = _engine.partial_sums(leaves, p, dtype)
     assert partials.dtype == dtype
     bucketed = total(partials, p)
     chex.assert_trees_all_close(bucketed, per_leaf_total(leaves, p, dtype), **TOL)
-    root = _common.safe_root(bucketed, p)
+    root = _engine.safe_root(bucketed, p)
     np.testing.assert_allclose(root, ref_global_norm(tree, p), **TOL)
 
 
@@ -359,7 +359,7 @@ def test_scaled_partial_sums_equal_sums_of_scaled_leaves(p: float) -> None:
     """`scale` (for a rescaled pass) multiplies every element before the power."""
     tree = ragged_tree(4, (jnp.float32, jnp.bfloat16, jnp.complex64))
     leaves = [x * (1 - 2j) if jnp.iscomplexobj(x) else x for x in jax.tree.leaves(tree)]
-    dtype = _common.tree_accum_dtype(leaves)
+    dtype = _engine.tree_accum_dtype(leaves)
     scale = jnp.float32(2.0**-40)
     scaled = [
         np.asarray(x).astype(np.complex64 if jnp.iscomplexobj(x) else np.float32)

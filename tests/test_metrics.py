@@ -182,14 +182,14 @@ def test_no_clipax_state_gives_an_empty_dict() -> None:
     assert clipax.metrics(None) == {}
 
 
-def test_a_new_clipax_state_class_needs_one_registration(state_registry: Any) -> None:
-    @state_registry.register("new_rule")
+def test_a_new_clipax_state_class_needs_one_declaration(state_registry: Any) -> None:
+    @state_registry.declare("new_rule", scalars=("norm", "threshold"))
     class NewRuleState(NamedTuple):
         norm: jax.Array
         threshold: jax.Array
 
     state = (NewRuleState(jnp.asarray(4.0), jnp.asarray(2.0)),)
-    assert state_registry.state_class(state[0]).name == "new_rule"
+    assert state_registry.declared(state[0]).name == "new_rule"
     assert clipax.metrics(state) == {
         "0/new_rule/norm": 4.0,
         "0/new_rule/threshold": 2.0,

@@ -196,7 +196,7 @@ class _WrapperState(NamedTuple):
 @pytest.fixture
 def clipax_wrapper(state_registry: Any) -> Any:
     """A clipax wrapper, registered as `skip_spikes`'s state is."""
-    state_registry.register("test_only_wrapper", inner="inner_state")(_WrapperState)
+    state_registry.declare("test_only_wrapper", inner="inner_state")(_WrapperState)
 
     def wrap(inner: optax.GradientTransformation) -> optax.GradientTransformation:
         def init(params: Any) -> _WrapperState:

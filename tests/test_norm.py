@@ -71,7 +71,7 @@ def test_per_tensor_norms_are_exact_wherever_the_squares_are_normal(
     values = [3e-19, 1e-10, 1.0, 1e10, 4e18]
     tree = {f"v{i}": jnp.full((3, 4), v, dtype) for i, v in enumerate(values)}
     tree["s"] = jnp.asarray(5e18, dtype)
-    fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 1e-5, None)  # noqa: E731
+    fn = lambda t: helpers.clip_with_norms(t, 1e-5, None)  # noqa: E731
     out, norms = (jax.jit(fn) if jit else fn)(tree)
     for key, x in tree.items():
         x64 = np.asarray(x, np.float64)
@@ -96,7 +96,7 @@ def test_a_tensor_whose_squares_overflow_follows_the_nan_rule_alone(
         "big": jnp.array([[1e20, 1.0], [3.0, 4.0]], jnp.float32),
         "ok": jnp.array([3.0, 4.0], jnp.float32),
     }
-    fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 1.0, axes)  # noqa: E731
+    fn = lambda t: helpers.clip_with_norms(t, 1.0, axes)  # noqa: E731
     out, norms = (jax.jit(fn) if jit else fn)(tree)
     if axes is None:
         assert np.isnan(np.asarray(out["big"])).all()
@@ -118,7 +118,7 @@ def test_a_tensor_whose_squares_underflow_reads_smaller_and_passes(
     # more, and the leaf is clipped by the norm it read: kept as it is where
     # that is at most the threshold, even if the true norm is above it.
     tree = {"tiny": jnp.full(4, value, jnp.float32), "s": jnp.float32(value)}
-    fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 1e-35, None)  # noqa: E731
+    fn = lambda t: helpers.clip_with_norms(t, 1e-35, None)  # noqa: E731
     out, norms = (jax.jit(fn) if jit else fn)(tree)
     for key, x in tree.items():
         true = float(np.sqrt(np.sum(np.asarray(x, np.float64) ** 2)))
@@ -210,7 +210,7 @@ def _small_leaves_tree(dtype: Any = jnp.float32) -> dict[str, Any]:
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_many_small_leaves_match_float64_reference(axes: Any, jit: bool) -> None:
     tree = _small_leaves_tree()
-    fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, axes)  # noqa: E731
+    fn = lambda t: helpers.clip_with_norms(t, 2.0, axes)  # noqa: E731
     out, norms = (jax.jit(fn) if jit else fn)(tree)
     np_axes = None if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     for key, x in tree.items():
@@ -247,9 +247,7 @@ def test_narrow_and_complex_leaves_match_the_reference(dtype: Any, rtol: float) 
     tree = _small_leaves_tree(dtype=dtype)
     if dtype == jnp.complex64:
         tree = {k: v * (1 - 2j) for k, v in tree.items()}
-    out, norms = jax.jit(
-        lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, -1)
-    )(tree)
+    out, norms = jax.jit(lambda t: helpers.clip_with_norms(t, 2.0, -1))(tree)
     for key, x in tree.items():
         want, slice_norms = _ref_clip_with_norms(x, 2.0, -1)
         assert out[key].dtype == dtype
@@ -277,7 +275,7 @@ def test_norms_of_every_rank_and_dtype(axes: Any, jit: bool) -> None:
                 if dtype == "complex64":
                     x = x * (0.6 - 0.8j)
                 tree[f"{dtype}_{i}"] = jnp.asarray(x, dtype)
-        fn = lambda t: clipax.tree._norm.clip_by_norm_with_norms(t, 2.0, axes)  # noqa: E731
+        fn = lambda t: helpers.clip_with_norms(t, 2.0, axes)  # noqa: E731
         out, norms = (jax.jit(fn) if jit else fn)(tree)
         for key, x in tree.items():
             dtype = key.split("_")[0]

@@ -166,12 +166,10 @@ def test_small_leaves_in_shard_map_equal_one_device(
     }
     host["rows"][2] *= np.float32(1e15)
     specs = {"rows": P("data", None), "reps": P()}
-    reference = clipax.tree._norm.clip_by_norm_with_norms(host, 1.5, axes)
+    reference = helpers.clip_with_norms(host, 1.5, axes)
     fn = jax.jit(
         jax.shard_map(
-            lambda t: clipax.tree._norm.clip_by_norm_with_norms(
-                t, 1.5, axes, specs=specs
-            ),
+            lambda t: helpers.clip_with_norms(t, 1.5, axes, specs=specs),
             mesh=mesh,
             in_specs=(specs,),
             out_specs=(specs, jax.tree.map(lambda _: P(), specs)),
@@ -253,7 +251,7 @@ def test_one_collective_per_axis_set(mesh: jax.sharding.Mesh) -> None:
     # pass, in the branch taken only on overflow or underflow.)
 
     per_leaf = jax.shard_map(
-        lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=SPECS),
+        lambda t: helpers.clip_with_norms(t, 1.0, None, specs=SPECS)[0],
         mesh=mesh,
         in_specs=(SPECS,),
         out_specs=SPECS,

@@ -1,4 +1,4 @@
-"""The registry of clipax's state classes that `metrics` and `migrate_state` read."""
+"""What clipax's state classes declare, which `metrics` and `migrate_state` read."""
 
 from __future__ import annotations
 
@@ -13,84 +13,108 @@ import pytest
 import clipax
 from clipax import _states
 
-# class: (name in metric keys, per-leaf fields, field of the wrapped state)
-REGISTERED = {
-    clipax.ClipByGlobalNormState: ("clip_by_global_norm", (), None),
-    clipax.ClipByNormState: ("clip_by_norm", ("norms",), None),
-    clipax.AutoClipState: ("autoclip", (), None),
-    clipax.ZClipState: ("zclip", (), None),
-    clipax.AdaGCState: ("adagc", ("ema", "norms", "thresholds"), None),
-    clipax.SkipSpikesState: ("skip_spikes", (), "inner_state"),
+# class: (name in metric keys, scalar fields, per-tensor fields, wrapped state)
+DECLARED = {
+    clipax.ClipByGlobalNormState: (
+        "clip_by_global_norm",
+        ("norm", "nonfinite_count", "threshold"),
+        {},
+        None,
+    ),
+    clipax.ClipByNormState: ("clip_by_norm", (), {"norms": "norm"}, None),
+    clipax.AutoClipState: ("autoclip", ("count", "norm", "threshold"), {}, None),
+    clipax.ZClipState: (
+        "zclip",
+        ("mean", "variance", "count", "norm", "threshold"),
+        {},
+        None,
+    ),
+    clipax.AdaGCState: (
+        "adagc",
+        ("count", "norm"),
+        {"ema": "ema", "norms": "norm", "thresholds": "threshold"},
+        None,
+    ),
+    clipax.SkipSpikesState: (
+        "skip_spikes",
+        tuple(f for f in clipax.SkipSpikesState._fields if f != "inner_state"),
+        {},
+        "inner_state",
+    ),
 }
 
 
-def test_every_clipax_state_class_is_registered() -> None:
-    got = {c.cls: (c.name, c.per_leaf, c.inner) for c in _states.REGISTRY.values()}
-    assert got == REGISTERED
+def test_every_clipax_state_class_declares_itself() -> None:
+    got = {
+        d.cls: (d.name, d.scalars, dict(d.per_tensor), d.inner)
+        for d in _states.DECLARED.values()
+    }
+    assert got == DECLARED
     public = {getattr(clipax, n) for n in clipax.__all__ if n.endswith("State")}
-    assert public - {clipax.NonFiniteError} == set(_states.REGISTRY)
-    for registered in _states.REGISTRY.values():
-        assert registered.fields == registered.cls._fields  # type: ignore[attr-defined]
-        assert callable(getattr(clipax, registered.name))  # the public factory
+    assert public - {clipax.NonFiniteError} == set(_states.DECLARED)
+    for declared in _states.DECLARED.values():
+        assert declared.fields == declared.cls._fields  # type: ignore[attr-defined]
+        assert callable(getattr(clipax, declared.name))  # the public factory
+        # Every field is reported, walked, or an array metrics leaves out.
+        reported = {*declared.scalars, *declared.per_tensor, declared.inner} - {None}
+        assert reported <= set(declared.fields)
 
 
 def test_a_state_is_found_by_its_class_or_its_restored_fields() -> None:
     state = clipax.clip_by_global_norm(1.0).init({"w": jnp.ones(2)})
-    registered = _states.REGISTRY[clipax.ClipByGlobalNormState]
-    assert _states.state_class(state) is registered
-    assert _states.restored_state_class(state._asdict()) is registered
-    assert _states.state_class(state._asdict()) is None
-    assert _states.restored_state_class({"norm": 1.0}) is None
+    declared = _states.DECLARED[clipax.ClipByGlobalNormState]
+    assert _states.declared(state) is declared
+    assert _states.declared(state._asdict()) is declared
+    assert declared.is_restored(state._asdict())
+    assert _states.declared({"norm": 1.0}) is None
 
 
-# Registering wrongly is an error where the class is defined, so at import.
+# Declaring wrongly is an error where the class is defined, so at import.
 
 
-class _Registered(NamedTuple):
+class _Declared(NamedTuple):
     norm: jax.Array
     count: jax.Array
 
 
-def test_a_class_registered_twice_raises(state_registry: Any) -> None:
-    state_registry.register("registered")(_Registered)
-    with pytest.raises(ValueError, match=r"same class and name and fields"):
-        state_registry.register("registered")(_Registered)
+def test_a_class_declared_twice_raises(state_registry: Any) -> None:
+    state_registry.declare("declared")(_Declared)
+    with pytest.raises(ValueError, match=r"same class\.$"):
+        state_registry.declare("declared")(_Declared)
     with pytest.raises(ValueError, match=r"ClipByNormState.*same class"):
-        state_registry.register("other_name")(clipax.ClipByNormState)
+        state_registry.declare("other_name")(clipax.ClipByNormState)
 
 
-def test_a_name_or_fields_registered_already_raise(state_registry: Any) -> None:
+def test_a_name_declared_already_raises(state_registry: Any) -> None:
     with pytest.raises(ValueError, match=r"as 'zclip'.*ZClipState.*same name\.$"):
-        state_registry.register("zclip")(_Registered)
-    with pytest.raises(ValueError, match=r"ClipByNormState.*same fields\.$"):
-
-        @state_registry.register("norms_again")
-        class NormsState(NamedTuple):
-            norms: Any
+        state_registry.declare("zclip")(_Declared)
 
 
 @pytest.mark.parametrize(
-    ("per_leaf", "inner"), [(("norms",), None), ((), "inner_state")]
+    ("scalars", "per_tensor", "inner"),
+    [((), {"norms": "norm"}, None), ((), {}, "inner_state"), (("nrom",), {}, None)],
 )
 def test_a_field_the_class_lacks_raises(
-    state_registry: Any, per_leaf: tuple[str, ...], inner: str | None
+    state_registry: Any, scalars: tuple, per_tensor: dict, inner: str | None
 ) -> None:
-    with pytest.raises(ValueError, match=r"has no field '(norms|inner_state)'"):
+    with pytest.raises(ValueError, match=r"has no field '(norms|inner_state|nrom)'"):
 
-        @state_registry.register("typo", per_leaf=per_leaf, inner=inner)
+        @state_registry.declare(
+            "typo", scalars=scalars, per_tensor=per_tensor, inner=inner
+        )
         class TypoState(NamedTuple):
             norm: jax.Array
 
-    assert state_registry.REGISTRY.keys() == REGISTERED.keys()
+    assert state_registry.DECLARED.keys() == DECLARED.keys()
 
 
 @pytest.mark.parametrize("cls", [dict, tuple], ids=["dict", "tuple"])
-def test_only_named_tuples_register(state_registry: Any, cls: type) -> None:
+def test_only_named_tuples_declare(state_registry: Any, cls: type) -> None:
     with pytest.raises(TypeError, match=r"takes a NamedTuple class"):
-        state_registry.register("plain")(type("Plain", (cls,), {}))
+        state_registry.declare("plain")(type("Plain", (cls,), {}))
 
 
-# A NamedTuple that is not registered is not clipax's, whatever its module.
+# A NamedTuple that is not declared is not clipax's, whatever its module.
 
 
 class _ThirdPartyState(NamedTuple):
@@ -98,14 +122,14 @@ class _ThirdPartyState(NamedTuple):
     threshold: jax.Array
 
 
-@pytest.mark.parametrize("module", ["clipax_ext", "clipax._unregistered"])
-def test_an_unregistered_named_tuple_is_no_clipax_state(
+@pytest.mark.parametrize("module", ["clipax_ext", "clipax._undeclared"])
+def test_an_undeclared_named_tuple_is_no_clipax_state(
     monkeypatch: pytest.MonkeyPatch, module: str
 ) -> None:
     monkeypatch.setattr(_ThirdPartyState, "__module__", module)
     theirs = _ThirdPartyState(jnp.asarray(4.0), jnp.asarray(2.0))
-    assert _states.state_class(theirs) is None
-    assert _states.restored_state_class(theirs._asdict()) is None
+    assert _states.declared(theirs) is None
+    assert _states.declared(theirs._asdict()) is None
     assert clipax.metrics((theirs,)) == {}
     # migrate_state carries it as any other optimizer's state: never reset.
     empty = optax.EmptyState()

@@ -1,30 +1,22 @@
-"""The norm engine: every norm clipax takes, accumulated in float32 or wider.
+"""Norms, accumulated in float32 or wider; the clip factor, and applying it.
 
-The global norm (`global_norm`: `clip_by_global_norm`, AutoClip, ZClip,
-`skip_spikes`, `group_norms`) is exact for every finite input. Small leaves
-(at most `SMALL_LEAF` elements, whole on their device: `_placement.is_whole`)
-are concatenated per dtype, in tree order, into buckets of at most
-`BUCKET_ELEMENTS` elements; each bucket and each other leaf gives one partial
-sum of |x|**p, in float32 (float64 in a tree with float64 leaves), completed
-across devices and added up. That plain sum is tested once: when it is inf, or
-below `_trust_floor` (squares may have underflowed), the branch of one
-`lax.cond` sums |x s|**p again, every element scaled by one power of two
-(`pow2_scale`), so the common path pays one scalar test. Where some leaf may
-be split across devices in a way only XLA knows (several devices, automatic
-mesh axes), leaves are reduced one by one, and both passes are the iterations
-of one `lax.while_loop`, compiled once. The inf-norm is a
-maximum and needs no rescaling; orders above 2 take the largest |x| first and
-sum once, scaled by it.
+Every norm clipax takes is read here. The global norm (`global_norm`) is exact
+for every finite input: small leaves that are whole on their device are
+concatenated per dtype into buckets, each bucket and each other leaf gives one
+partial sum of |x|**p, and the partial sums are completed across devices and
+added. When that plain sum is inf, or so small that squares may have
+underflowed, one `lax.cond` sums again with every element scaled by one power
+of two (`pow2_scale`); the common path pays one scalar test. Where a leaf may
+be split in a way only XLA knows (several devices, automatic mesh axes), the
+leaves are reduced one by one and both passes are the iterations of one
+`lax.while_loop`. Orders above 2 take the largest |x| first and sum once,
+scaled by it; the inf-norm is a maximum.
 
-Per-tensor norms (`tensor_norms`: `clip_by_norm`, AGC, AdaGC, block RMS and
-per-example clipping) are the bare formula's: each leaf's float32 (float64)
-sum of squares over its axes, completed across devices, and its square root,
-one leaf at a time. They are exact where the sum of squares is a normal
-float: a tensor whose squares overflow has an inf norm and follows the NaN
-rule, and a norm below about 1e-19 in float32 (1e-154 in float64) may come
-out smaller, down to 0, as its squares underflow. There is no rescaled pass:
-its range test joins every leaf before any is scaled, and its second set of
-kernels doubled the step's compile time (benchmarks/RESULTS.md).
+Per-tensor norms (`tensor_norms`) are the bare formula's: a float32 (float64)
+sum of squares over the reduced axes, completed across devices, and its root.
+A tensor whose squares overflow has an inf norm, and one below about 1e-19
+(float32) may read smaller: a rescaled pass for them doubled the step's
+compile time (benchmarks/RESULTS.md, "Tried and rejected").
 """
 
 from __future__ import annotations
@@ -32,32 +24,159 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipax import _common, _placement
+from clipax import _checks, _placement
 from clipax._placement import MeshAxes, Placements
 
-# Leaves of at most this many elements are bucketed; above 16 KiB of float32 a
-# reduction's fixed cost is small beside its bytes (benchmarks/RESULTS.md).
+# Leaves of at most this many elements are bucketed, and a bucket holds at most
+# BUCKET_ELEMENTS: see benchmarks/RESULTS.md, "What limits each case".
 SMALL_LEAF = 1 << 12
-# The most elements one bucket holds (128 KiB of float32): smaller buckets
-# compiled slower, larger ones ran slower (benchmarks/RESULTS.md).
 BUCKET_ELEMENTS = 1 << 15
 
 
-# Buckets.
+# Dtypes and powers.
+
+
+def accum_dtype(dtype: Any) -> np.dtype:
+    """Float32, or float64 for 64-bit leaves (with x64 on): never narrower."""
+    real = np.dtype(jnp.finfo(dtype).dtype)
+    wide = real.itemsize >= 8 and jax.config.read("jax_enable_x64")
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
+
+
+def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
+    """The widest `accum_dtype` over `leaves` (float32 for none)."""
+    wide = any(accum_dtype(leaf.dtype).itemsize >= 8 for leaf in leaves)
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
+
+
+def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:
+    """|re + i im| without overflow or underflow, with a finite gradient at 0."""
+    big = jnp.maximum(jnp.abs(re), jnp.abs(im))
+    small = jnp.minimum(jnp.abs(re), jnp.abs(im))
+    zero = big == 0
+    ratio = small / jnp.where(zero, jnp.ones_like(big), big)
+    return jnp.where(zero, jnp.zeros_like(big), big * jnp.sqrt(1 + jnp.square(ratio)))
+
+
+def powers(x: jax.Array, p: float) -> jax.Array:
+    """|x|**p element by element (|x| for p = inf), in float32 or wider; a
+    complex leaf counts its modulus, taken without overflow."""
+    acc = accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        re, im = x.real.astype(acc), x.imag.astype(acc)
+        if p == 2:
+            return jnp.square(re) + jnp.square(im)
+        magnitude = _hypot(re, im)
+    else:
+        real = x.astype(acc)
+        if p == 2:
+            return jnp.square(real)
+        magnitude = jnp.abs(real)
+    return magnitude if p in (1.0, math.inf) else magnitude**p
+
+
+def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
+    """Sum of |x|**p over `axes` (max |x| for p = inf), reduced dims kept
+    unless `axes` is None (a scalar); 0 for no elements."""
+    keep = axes is not None
+    if p == math.inf:
+        return jnp.max(powers(x, p), axis=axes, keepdims=keep, initial=0.0)
+    return jnp.sum(powers(x, p), axis=axes, keepdims=keep)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def safe_root(total: jax.Array, p: float) -> jax.Array:
+    """`total ** (1/p)`, whose derivative at 0 is 0, not inf; NaN and inf pass
+    through, so a broken norm stays visible."""
+    if p in (1.0, math.inf):
+        return total
+    return jnp.sqrt(total) if p == 2 else total ** (1.0 / p)
+
+
+@safe_root.defjvp
+def _safe_root_jvp(p: float, primals: tuple, tangents: tuple) -> tuple:
+    (total,), (dtotal,) = primals, tangents
+    root = safe_root(total, p)
+    if p in (1.0, math.inf):
+        return root, dtotal
+    zero = total == 0
+    base = jnp.where(zero, jnp.ones_like(total), total)
+    slope = 0.5 / jnp.sqrt(base) if p == 2 else base ** (1.0 / p - 1.0) / p
+    return root, jnp.where(zero, jnp.zeros_like(dtotal), slope * dtotal)
+
+
+# The clip factor.
+
+
+class Threshold(NamedTuple):
+    """A threshold t as `clip_factor` reads it: max(t, 0) over max(t, tiny),
+    t capped at the largest float (so inf clips nothing: max / max = 1)."""
+
+    top: jax.Array
+    floor: jax.Array
+
+
+def threshold(max_norm: Any, dtype: Any) -> Threshold:
+    info = np.finfo(dtype)
+    t = jnp.minimum(jnp.asarray(max_norm).astype(dtype), info.max)
+    return Threshold(jnp.maximum(t, 0), jnp.maximum(t, info.tiny))
+
+
+@jax.custom_jvp
+def _stable_quotient(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a / b`, differentiated as `(da - (a / b) db) / b`: plain division goes
+    through `b**-2`, which overflows for |b| < 1e-19 in float32."""
+    return a / b
+
+
+@_stable_quotient.defjvp
+def _stable_quotient_jvp(primals: tuple, tangents: tuple) -> tuple:
+    a, b = primals
+    da, db = tangents
+    out = a / b
+    return out, (da - out * db) / b
+
+
+def clip_factor(norm: jax.Array, max_norm: Any) -> jax.Array:
+    """`max_norm / max(norm, max_norm)` in the norm's dtype (docs/semantics.md).
+
+    Exactly 1 at or below the threshold (a zero norm never divides); NaN for
+    a NaN norm or threshold, or an inf norm; 0 for a threshold <= 0. Four
+    operations per norm (threshold terms are taken once, `threshold`): in
+    per-tensor rules each operation is compiled once per leaf.
+    """
+    t = max_norm if isinstance(max_norm, Threshold) else threshold(max_norm, norm.dtype)
+    return _stable_quotient(t.top + norm * 0, jnp.maximum(norm, t.floor))
+
+
+def scaled(x: Any, factor: jax.Array) -> jax.Array:
+    """`x * factor`, computed in the wider of the two dtypes, cast back to x's
+    dtype as JAX holds it (a NumPy float64 leaf is float32 with x64 off)."""
+    x = jnp.asarray(x)
+    return (x * factor).astype(jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def _scale_parts(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """`x * factor` for a real factor; a complex `x` has its parts scaled
+    apart (a complex product makes the imaginary part of inf + 0j NaN)."""
+    if jnp.iscomplexobj(x):
+        return jax.lax.complex(x.real * factor, x.imag * factor)
+    return x * factor
+
+
+# Buckets and partial sums.
 
 
 def _buckets(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
-    """Leaf indices in buckets (small leaves of one dtype, in tree order, at
-    most `BUCKET_ELEMENTS` elements each) and the leaves reduced alone.
-
-    Zero-size leaves are in neither: they add nothing to any norm.
-    """
+    """Leaf indices in buckets (small whole leaves of one dtype, in tree order,
+    at most `BUCKET_ELEMENTS` each) and the leaves reduced alone; zero-size
+    leaves are in neither."""
     alone: list[int] = []
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
@@ -78,30 +197,22 @@ def _buckets(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     return buckets, alone
 
 
-def opaque_if_narrow(x: jax.Array, dtype: Any = None) -> jax.Array:
-    """`x`, behind an optimization barrier when it is upcast to `dtype` (by
-    default its accumulation dtype: float16 and bfloat16 leaves).
-
-    XLA would merge the upcast taken for the norm with the one where the clip
-    factor is applied, and write the whole tree out in float32: a barrier,
-    which copies nothing, keeps each upcast fused into its own consumer
-    (GPT-2 in bfloat16: 435 MiB less than optax; benchmarks/RESULTS.md).
-    """
-    wide = _common.accum_dtype(x.dtype) if dtype is None else np.dtype(dtype)
+def _separate_upcast(x: jax.Array, dtype: Any = None) -> jax.Array:
+    """`x` behind an optimization barrier when it is upcast to `dtype` (its
+    `accum_dtype` by default): XLA would otherwise share one float32 copy of
+    a narrow leaf between the norm and the clip, and write it out whole
+    (benchmarks/RESULTS.md, "Each clip alone")."""
+    wide = accum_dtype(x.dtype) if dtype is None else np.dtype(dtype)
     if wide.itemsize > np.dtype(x.dtype).itemsize:
         return jax.lax.optimization_barrier(x)
     return x
 
 
-def scaled_pair(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
+def _unfolded(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
     """`(x, scale)` through one barrier, for a pass that multiplies `x` by
-    the `scale` returned here.
-
-    Where XLA sees `x` as a constant (zeros from `optax.set_to_zero`, a
-    closed-over array) it rewrote (x s)**2 as x**2 s**2, and s**2 overflows
-    for the largest scales: 0 * inf = NaN. The barrier also keeps this
-    pass's upcast of a narrow `x` apart from any other (`opaque_if_narrow`).
-    """
+    `scale`: where XLA sees `x` as a constant it rewrote (x s)**2 as x**2 s**2,
+    and s**2 overflows for the largest scales. It also keeps this pass's
+    upcast of a narrow `x` apart (`_separate_upcast`)."""
     pair: tuple[jax.Array, jax.Array] = jax.lax.optimization_barrier(
         (x, jnp.asarray(scale))
     )
@@ -112,63 +223,44 @@ def partial_sums(
     leaves: Sequence[Any], p: float, dtype: Any, scale: Any = None
 ) -> jax.Array:
     """A vector whose sum (max for p = inf) is the sum of |x * scale|**p over
-    `leaves` (|x|**p without `scale`; max |x| for p = inf).
-
-    One entry per bucket and per leaf reduced alone (`_buckets`), each
-    accumulated in `dtype` (the tree's accumulation dtype; a complex leaf in
-    its complex counterpart's real part); at least one entry (0 for no
-    elements).
-    """
+    `leaves` (|x|**p without `scale`): one entry per bucket and per leaf
+    reduced alone, each in `dtype`; at least one entry (0 for no elements)."""
     leaves = [jnp.asarray(x) for x in leaves]
     buckets, alone = _buckets(leaves)
 
     def prepared(x: jax.Array) -> jax.Array:
         wide = jnp.result_type(x.dtype, dtype)
         if scale is None:
-            return opaque_if_narrow(x, wide).astype(wide)
-        x, factor = scaled_pair(x, scale)
-        return _common.scale_by(x.astype(wide), factor.astype(dtype))
+            return _separate_upcast(x, wide).astype(wide)
+        x, factor = _unfolded(x, scale)
+        return _scale_parts(x.astype(wide), factor.astype(dtype))
 
-    parts = [_common.power_sum(prepared(leaves[i]), p) for i in alone]
-    for bucket in buckets:  # one upcast (and one barrier) per bucket
+    parts = [power_sum(prepared(leaves[i]), p) for i in alone]
+    for bucket in buckets:
         pieces = [jnp.ravel(leaves[i]) for i in bucket]
         whole = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-        parts.append(_common.power_sum(prepared(whole), p))
+        parts.append(power_sum(prepared(whole), p))
     if not parts:
         return jnp.zeros((1,), dtype)
     stacked = jnp.stack([part.astype(dtype) for part in parts])
-    # Seen through, XLA rewrites the sum of these scalars as one fused chain of
-    # adds, slow to compile: 8 % of the step's compile on 48 layers.
+    # Seen through, the sum of these scalars becomes one fused chain of adds,
+    # slow to compile (benchmarks/RESULTS.md, "What limits each case").
     return jax.lax.optimization_barrier(stacked) if len(parts) > 1 else stacked
 
 
 # Range.
 
 
-def _upcast(x: jax.Array) -> jax.Array:
-    acc = _common.accum_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        return x.astype(jnp.result_type(acc, jnp.complex64))
-    return x.astype(acc)
-
-
-def _trust_floor(dtype: np.dtype) -> float:
-    """Sums of powers below this may have lost terms to underflow."""
-    return float(np.sqrt(np.finfo(dtype).tiny))
-
-
-def _untrusted(total: jax.Array) -> jax.Array:
-    """Where a sum of powers is inf, or below `_trust_floor` (0 included)."""
-    return (total == np.inf) | (total < _trust_floor(total.dtype))
+def _needs_rescale(total: jax.Array) -> jax.Array:
+    """Whether a sum of powers is inf, or below sqrt(tiny) (0 included), where
+    terms may have underflowed."""
+    floor = float(np.sqrt(np.finfo(total.dtype).tiny))
+    return (total == np.inf) | (total < floor)
 
 
 def pow2_scale(bound: jax.Array, headroom: int = 0) -> jax.Array:
-    """The power of two 2**(headroom - e), with `bound` = m 2**e, 1/2 <= m < 1.
-
-    Multiplying by it is exact and brings `bound` into [2**(headroom - 1),
-    2**headroom). The one rescaling rule of clipax: every rescaled sum takes
-    its scale from a bound on the values it sums.
-    """
+    """2**(headroom - e) for `bound` = m 2**e (1/2 <= m < 1): multiplying by
+    it is exact and brings `bound` into [2**(headroom - 1), 2**headroom)."""
     _, exponent = jnp.frexp(bound)
     limit = int(np.finfo(bound.dtype).maxexp) - 3
     exponent = jnp.clip(headroom - exponent, -limit, limit)
@@ -176,55 +268,53 @@ def pow2_scale(bound: jax.Array, headroom: int = 0) -> jax.Array:
 
 
 def _second_scale(total: jax.Array, p: float) -> jax.Array:
-    """The scale of the second pass, for 1 <= p <= 2, from the first pass's
-    `total` (inf, or below `_trust_floor`): `pow2_scale` of a bound on every
-    |x|, with headroom for 2**40 terms.
+    """The second pass's scale, for 1 <= p <= 2, from the first pass's total:
+    `pow2_scale` of a bound on every |x|, with headroom for 2**40 terms.
 
-    With E = log2 of the dtype's largest float (128 in float32), every scaled
-    |x s| is below 2**h, h = floor((E - 40) / p) - 1, so the new sum is in
-    range; an overflowed sum bounds |x| by the largest float, and a sum below
-    the floor by max(total**(1/p), tiny**(1/p)), which also lifts every
-    nonzero |x|, subnormals included, to where its power is a normal float.
-    What drops below the smallest normal float is negligible beside the sum.
+    An overflowed sum bounds |x| by the largest float; a sum below the floor
+    by max(total**(1/p), tiny**(1/p)), which also lifts subnormal entries to
+    where their powers are normal floats.
     """
     info = np.finfo(total.dtype)
     headroom = math.floor((int(info.maxexp) - 40) / p) - 1
     smallest = jnp.asarray(float(info.tiny) ** (1 / p), total.dtype)
-    low = jnp.maximum(_common.safe_root(total, p), smallest)
+    low = jnp.maximum(safe_root(total, p), smallest)
     bound = jnp.where(total == np.inf, jnp.asarray(info.max, total.dtype), low)
     return pow2_scale(bound, headroom)
 
 
-def _finish(total: jax.Array, peak: jax.Array, scale: jax.Array, p: float) -> Any:
-    """The norm from a rescaled sum, with the peak's own rules for 0, inf, NaN."""
-    norm = _common.safe_root(total, p) / scale
+def _norm_of_scaled(
+    total: jax.Array, peak: jax.Array, scale: jax.Array, p: float
+) -> jax.Array:
+    """The norm from a sum scaled by `scale`, with the peak's rules for 0, inf
+    and NaN."""
+    norm = safe_root(total, p) / scale
     norm = jnp.where(peak == 0, jnp.zeros_like(norm), norm)
     return jnp.where(jnp.isfinite(peak), norm, peak)
 
 
-def _branch(
-    untrusted: jax.Array, rescaled: Callable[[], Any], plain: Callable[[], Any]
+def _cond(
+    pred: jax.Array, if_true: Callable[[], Any], if_false: Callable[[], Any]
 ) -> Any:
     """`lax.cond` when traced; eagerly the host chooses, since an eager
-    `lax.cond` over closures would compile anew at every call."""
-    if _common.is_traced(untrusted):
-        return jax.lax.cond(untrusted, rescaled, plain)
-    return rescaled() if bool(untrusted) else plain()
+    `lax.cond` over closures compiles anew at every call."""
+    if _checks.is_traced(pred):
+        return jax.lax.cond(pred, if_true, if_false)
+    return if_true() if bool(pred) else if_false()
 
 
 # The global norm.
 
 
 def global_norm(
-    leaves: list[jax.Array], p: float, placements: Placements | None = None
+    leaves: list[Any], p: float, placements: Placements | None = None
 ) -> jax.Array:
     """The p-norm over all `leaves`, exact for every finite input.
 
     With `placements` (`_placement.leaf_placements`), leaves are local blocks
-    and the result is the norm of the whole sharded tree, the same on every
-    device.
+    and the result is the whole sharded tree's norm, the same on every device.
     """
-    dtype = _common.tree_accum_dtype(leaves)
+    dtype = tree_accum_dtype(leaves)
     if not leaves:
         return jnp.zeros((), dtype)
     if placements is None:
@@ -237,8 +327,7 @@ def global_norm(
     sets = list(members)
 
     def summed(leaves: list[jax.Array], scale: jax.Array | None) -> jax.Array:
-        """Sum of |x * scale|**p (|x|**p for `scale=None`) over all leaves,
-        with one psum per mesh-axis set."""
+        """Sum of |x * scale|**p over all leaves, one psum per mesh-axis set."""
         sums = [
             jnp.sum(partial_sums([leaves[i] for i in members[k]], p, dtype, scale))
             for k in sets
@@ -246,7 +335,7 @@ def global_norm(
         return jnp.sum(jnp.stack(_placement.psum_each(sums, sets)))
 
     def peak() -> jax.Array:
-        """Largest |x| over all leaves: one pmax for every axis set."""
+        """The largest |x| over all leaves, in one pmax."""
         local = jnp.max(partial_sums(leaves, math.inf, dtype))
         return _placement.pmax_everywhere(local, sets)
 
@@ -255,32 +344,29 @@ def global_norm(
     if p > 2:  # rare orders: the peak, then one sum scaled by it
         top = peak()
         scale = pow2_scale(top)
-        return _finish(summed(leaves, scale), top, scale, p)
-    return _norm_in_two_passes(summed, leaves, p)
+        return _norm_of_scaled(summed(leaves, scale), top, scale, p)
+    return _two_pass_norm(summed, leaves, p)
 
 
-def _norm_in_two_passes(
+def _two_pass_norm(
     summed: Callable[[list[jax.Array], jax.Array | None], jax.Array],
     leaves: list[jax.Array],
     p: float,
 ) -> jax.Array:
-    """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`, the sum of
-    |x scale|**p (|x|**p for `scale=None`): the plain sum, and under a
-    `lax.cond` (eagerly, on the host's decision) a second at `_second_scale`
-    when the first is inf or below `_trust_floor`; where some leaf cannot be
-    bucketed (`_looped_passes`), both passes are the iterations of one loop.
+    """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`: the plain sum,
+    then a second at `_second_scale` where the first `_needs_rescale`.
 
-    The plain pass is the bare sum, optax's: a sum of scaled powers runs about
-    twice as long on leaves in cache (benchmarks/RESULTS.md). The derivative,
-    through `jax.custom_jvp`, is the last pass's formula at its (constant)
-    scale, taken on the scaled leaves. Constants are made inside the
+    The plain pass is optax's bare sum: a sum of scaled powers runs about
+    twice as long on leaves in cache. The derivative (`jax.custom_jvp`) is the
+    last pass's formula at its constant scale, taken on the scaled leaves, so
+    it neither overflows nor underflows. Constants are made inside the
     functions that use them: a tracer closed over by `jax.custom_jvp` escapes
     when the jitted caller is itself differentiated.
     """
 
     def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(total, scale) of the last pass."""
-        if any(_common.is_traced(x) and not _placement.is_whole(x) for x in leaves):
+        if any(_checks.is_traced(x) and not _placement.is_whole(x) for x in leaves):
             return _looped_passes(summed, leaves, p)
         total = summed(leaves, None)
         one = jnp.ones_like(total)  # typed as `total` is inside shard_map
@@ -289,33 +375,34 @@ def _norm_in_two_passes(
             scale = _second_scale(total, p)
             return summed(leaves, scale), scale
 
-        def plain() -> tuple[jax.Array, jax.Array]:
-            return total, one
-
-        pair: tuple[jax.Array, jax.Array] = _branch(_untrusted(total), rescaled, plain)
+        pair: tuple[jax.Array, jax.Array] = _cond(
+            _needs_rescale(total), rescaled, lambda: (total, one)
+        )
         return pair
 
     @jax.custom_jvp
     def norm(leaves: list[jax.Array]) -> jax.Array:
         total, scale = passes(leaves)
-        return _common.safe_root(total, p) / scale
+        return safe_root(total, p) / scale
 
     @norm.defjvp
     def norm_jvp(primals: tuple, tangents: tuple) -> tuple[jax.Array, jax.Array]:
-        # With y = x s (s the last pass's scale, a constant), the norm is
-        # R(y) / s and its tangent R'(y) s dx / s = R'(y) dx: taken on the
-        # scaled leaves, whose derivatives are of moderate size, it neither
-        # overflows nor underflows where x is extreme.
+        # With y = x s (s constant) the norm is R(y) / s and its tangent R'(y) dx.
         scale = jax.lax.stop_gradient(passes(primals[0])[1])
         one = jnp.ones_like(scale)
-        scaled = [_common.scale_by(_upcast(x), scale) for x in primals[0]]
-        dots = [t.astype(y.dtype) for t, y in zip(tangents[0], scaled, strict=True)]
-        value, slope = jax.jvp(
-            lambda ys: _common.safe_root(summed(ys, one), p), (scaled,), (dots,)
-        )
+        ys = [_scale_parts(_upcast(x), scale) for x in primals[0]]
+        dots = [t.astype(y.dtype) for t, y in zip(tangents[0], ys, strict=True)]
+        value, slope = jax.jvp(lambda ys: safe_root(summed(ys, one), p), (ys,), (dots,))
         return value / scale, slope
 
     return norm(list(leaves))
+
+
+def _upcast(x: jax.Array) -> jax.Array:
+    acc = accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        return x.astype(jnp.result_type(acc, jnp.complex64))
+    return x.astype(acc)
 
 
 def _looped_passes(
@@ -323,20 +410,16 @@ def _looped_passes(
     leaves: list[jax.Array],
     p: float,
 ) -> tuple[jax.Array, jax.Array]:
-    """`_norm_in_two_passes`'s (total, scale) as the iterations of one
-    `lax.while_loop`, for leaves that cannot be bucketed: each leaf's reduction
-    is then compiled once, not once per pass (several devices, automatic mesh
-    axes: the step compiles 5-20 % faster; benchmarks/RESULTS.md).
-
-    The first iteration sums at scale 1, the second (only when the first sum
-    is inf or below `_trust_floor`) at `_second_scale`.
-    """
-    dtype = _common.tree_accum_dtype(leaves)
+    """`_two_pass_norm`'s (total, scale) as the iterations of one
+    `lax.while_loop`, so that each leaf's reduction is compiled once, not once
+    per pass (benchmarks/RESULTS.md, "On 8 devices"): the first at scale 1,
+    the second only where the first `_needs_rescale`."""
+    dtype = tree_accum_dtype(leaves)
     one = jnp.ones((), dtype)
 
     def again(carry: tuple) -> jax.Array:
         total, _, _, count = carry
-        return (count == 0) | ((count == 1) & _untrusted(total))
+        return (count == 0) | ((count == 1) & _needs_rescale(total))
 
     def one_pass(carry: tuple) -> tuple:
         _, _, scale, count = carry
@@ -349,19 +432,16 @@ def _looped_passes(
 
 
 def norm_of_norms(norms: jax.Array) -> jax.Array:
-    """The L2 norm of `norms` along axis 0 (the global norm of their leaves).
-
-    Scaled by `pow2_scale` of the largest entry, so it neither overflows nor
-    underflows where the entries do not; NaN if an entry is NaN, else inf if
-    one is inf.
-    """
+    """The L2 norm of `norms` along axis 0, scaled by `pow2_scale` of the
+    largest entry so that it neither overflows nor underflows where the
+    entries do not; NaN if an entry is NaN, else inf if one is inf."""
     if norms.shape[0] == 0:
         return jnp.zeros(norms.shape[1:], norms.dtype)
     peak = jnp.max(norms, axis=0)
     usable = jnp.isfinite(peak) & (peak > 0)
     scale = pow2_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
-    scaled, factor = scaled_pair(norms, scale)
-    total = jnp.sqrt(jnp.sum(jnp.square(scaled * factor), axis=0)) / scale
+    norms, factor = _unfolded(norms, scale)
+    total = jnp.sqrt(jnp.sum(jnp.square(norms * factor), axis=0)) / scale
     return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
 
 
@@ -370,36 +450,35 @@ def norm_of_norms(norms: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _sum_of_squares(x: jax.Array, axes: tuple[int, ...], keep: bool) -> jax.Array:
-    """The float32 (or wider) sum of squares of `x` over `axes`, the reduced
-    dims kept where `keep`.
-
-    Jitted, as is `_root`: leaves of one shape and dtype share one trace, where
-    tracing each leaf anew cost a millisecond a leaf (benchmarks/RESULTS.md).
-    """
-    return jnp.sum(_common.powers(opaque_if_narrow(x), 2.0), axis=axes, keepdims=keep)
+    """The float32 (or wider) sum of squares of `x` over `axes`. Jitted, as
+    `_root` is, so that leaves of one shape and dtype share one trace
+    (benchmarks/RESULTS.md, "What limits each case")."""
+    return jnp.sum(powers(_separate_upcast(x), 2.0), axis=axes, keepdims=keep)
 
 
-_root = jax.jit(_common.sqrt)
+_root = jax.jit(safe_root, static_argnums=1)
 
 
 def tensor_norms(
-    leaves: list[jax.Array],
-    leaf_axes: list[tuple[int, ...]],
+    leaves: Sequence[Any],
+    reduced: Sequence[tuple[int, ...]],
     placements: Placements | None = None,
 ) -> list[jax.Array]:
-    """Each leaf's L2 norms over its `leaf_axes`, in float32 (float64 for
-    float64 leaves): a scalar where `leaf_axes` are all of the leaf's dims,
-    else an array with the reduced dims kept (size 1).
+    """Each leaf's L2 norms over its `reduced` axes, in float32 (float64 for
+    float64 leaves): a scalar where all of a leaf's axes are reduced, else the
+    reduced dims kept (size 1).
 
-    With `placements`, each sum is completed over the mesh axes that split its
-    reduced dimensions, so every norm is the whole tensor's (or slice's).
+    With `placements`, each sum is completed over the mesh axes that split
+    its reduced dimensions, so every norm is the whole tensor's (or slice's).
     """
-    keeps = [len(a) < x.ndim for x, a in zip(leaves, leaf_axes, strict=True)]
-    pairs = zip(leaves, leaf_axes, keeps, strict=True)
-    sums = [_sum_of_squares(x, axes, keep) for x, axes, keep in pairs]
+    arrays = [jnp.asarray(x) for x in leaves]
+    sums = [
+        _sum_of_squares(x, axes, len(axes) < x.ndim)
+        for x, axes in zip(arrays, reduced, strict=True)
+    ]
     if placements is not None:
-        split = zip(placements, leaf_axes, strict=True)
+        split = zip(placements, reduced, strict=True)
         axes = [_placement.split_axes(e, a) for e, a in split]
-        whole = [_placement.split_axes(e) for e in placements]
-        sums = _placement.psum_each(sums, axes, together=whole)
-    return [_root(total) for total in sums]
+        varying = [_placement.split_axes(e) for e in placements]
+        sums = _placement.psum_each(sums, axes, varies_over=varying)
+    return [_root(total, 2.0) for total in sums]

@@ -21,24 +21,15 @@ MISMATCH = (
 )
 
 
-def _state_class(node: Any) -> _states.StateClass | None:
-    """The registered clipax state class of `node`: its class's, or for a
-    mapping (an orbax restore, an `nnx.State`) the one whose fields are
-    exactly its keys."""
-    if isinstance(node, Mapping):
-        return _states.restored_state_class(node)
-    return _states.state_class(node)
-
-
 def _inner(node: Any) -> str | None:
     """The field holding the wrapped state, when `node` is a clipax wrapper's."""
-    registered = _state_class(node)
-    return None if registered is None else registered.inner
+    declared = _states.declared(node)
+    return None if declared is None else declared.inner
 
 
 def _is_statistics(node: Any) -> bool:
-    registered = _state_class(node)
-    return registered is not None and registered.inner is None
+    declared = _states.declared(node)
+    return declared is not None and declared.inner is None
 
 
 def _is_empty(node: Any) -> bool:
@@ -167,7 +158,7 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
                 "not an array (build it with `new_tx.init(params)`)",
             )
         )
-    new_class, old_class = _state_class(new), _state_class(old)
+    new_class, old_class = _states.declared(new), _states.declared(old)
     if _is_statistics(new) and (
         _is_empty(old) or (_is_statistics(old) and old_class is not new_class)
     ):
@@ -225,47 +216,16 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
 def migrate_state(old_state: PyTree, new_state: PyTree) -> PyTree:
     """Carries an optimizer state saved by one chain into another chain's state.
 
-    The way to switch a running job between `optax.clip_by_global_norm` (or
-    `optax.clip`, `optax.clip_by_block_rms`, `optax.adaptive_grad_clip`) and
-    its clipax replacement, in either direction, without losing the inner
-    optimizer's moments, counts, schedule steps and injected hyperparameters.
-
-    The result has the structure, dtypes and shardings of `new_state`. Each
-    part of it that the old state also holds comes from `old_state`; the rest
-    is taken from `new_state` under these rules, and anything else is an error:
-
-    - clipax's own statistics start fresh (from `new_state`) where the old
-      state holds nothing in their place (optax's `EmptyState`, None); when
-      the old state holds the same statistics (a clipax checkpoint), they are
-      kept. Going back to optax, clipax's statistics are dropped.
-    - A clipax wrapper state (one that holds the wrapped transformation's
-      state, as `skip_spikes`'s does in `inner_state`) in `new_state` that the
-      old state lacks is filled by migrating the whole old state at that place
-      into its `inner_state`; its other fields start fresh. The reverse, a
-      wrapper in the old state only, is unwrapped.
-    - clipax's states are the instances of the state classes clipax
-      registers (`clipax.ClipByGlobalNormState`, `clipax.ZClipState`, ...,
-      `clipax.SkipSpikesState`), or, where the class is gone (orbax's
-      untargeted restore, `nnx.State`), a mapping whose keys are exactly the
-      fields of one of them.
-
-    `old_state` may be the state objects, or what orbax gives back without a
-    target (`ocp.StandardCheckpointer().restore(path)`): NamedTuples become
-    dicts of their fields, tuples become lists, `EmptyState`, `MaskedNode` and
-    None become None. Dicts and lists match `new_state`'s nodes by key or
-    position; objects must be of the same type as `new_state`'s (Adam moments
-    never go into another optimizer's state). Arrays must have the same shape
-    and a dtype of the same kind: bool, integer, floating (bfloat16 and
-    float8 included) or complex; they are cast to `new_state`'s dtype and
-    placed with its sharding. A typed PRNG key (`jax.random.key`, as in
-    `optax.add_noise`'s state) matches only a key of the same implementation
-    and shape. Any part that cannot be matched (another shape, a missing
-    inner state, an unknown extra part) raises a `ValueError` naming its
-    path: nothing is reset silently.
-
-    For Flax NNX, migrate `optimizer.opt_state` (from `restored["opt_state"]`
-    or the old optimizer's `opt_state`) and assign the result back; the
-    porting page shows it.
+    The way to switch a running job between an optax clip and its clipax
+    replacement, in either direction, or to add or drop a clipax wrapper such as
+    `skip_spikes`, without losing the optimizer's moments, counts, schedule steps
+    and injected hyperparameters. Every part both states hold comes from
+    `old_state`, cast to `new_state`'s dtype and placed with its sharding; clipax's
+    statistics start fresh where the old state kept none; anything else that does
+    not match is an error: nothing is reset silently. `old_state` may be the state
+    objects or orbax's untargeted restore of them (dicts and lists, where a
+    clipax state is known by its field names). docs/porting.md, "Switching a
+    running job", gives the rules and the Flax NNX recipe.
 
     Args:
       old_state: the state saved by the old chain: objects, or orbax's
@@ -276,7 +236,8 @@ def migrate_state(old_state: PyTree, new_state: PyTree) -> PyTree:
       A state with `new_state`'s structure, ready for `new_tx.update`.
 
     Raises:
-      ValueError: naming the path of the first part that cannot be matched.
+      ValueError: naming the path of the first part that cannot be matched
+        (another optimizer, another shape, a missing or an extra part).
 
     Example:
       >>> import jax.numpy as jnp
@@ -284,8 +245,7 @@ def migrate_state(old_state: PyTree, new_state: PyTree) -> PyTree:
       >>> import clipax
       >>> params = {"w": jnp.zeros(2)}
       >>> old_tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
-      >>> old_state = old_tx.init(params)
-      >>> _, old_state = old_tx.update({"w": jnp.ones(2)}, old_state)
+      >>> _, old_state = old_tx.update({"w": jnp.ones(2)}, old_tx.init(params))
       >>> new_tx = optax.chain(clipax.clip_by_global_norm(1.0), optax.adam(0.1))
       >>> state = clipax.migrate_state(old_state, new_tx.init(params))
       >>> state[1][0].count, state[0].norm

@@ -18,6 +18,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clipax import _checks
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -77,6 +81,44 @@ def check_host_callback() -> None:
     except RuntimeError as error:
         platforms = getattr(jax.config, "jax_platforms", None)
         raise ValueError(NO_HOST.format(platforms=platforms)) from error
+
+
+def _error(fn_name: str, paths: list[str], finite: Any) -> NonFiniteError:
+    """The error naming the first leaf that is not finite."""
+    for path, ok in zip(paths, finite, strict=True):
+        if not ok:
+            return NonFiniteError(
+                f"{fn_name}: the leaf at {path} holds NaN or inf {MARKER}."
+            )
+    return NonFiniteError(
+        f"{fn_name}: the global norm is not finite although every leaf "
+        f"is: it exceeds the largest float32 {MARKER}."
+    )
+
+
+def _host_bool(x: jax.Array) -> bool:
+    """A replicated scalar's value, also where other processes hold it too."""
+    return bool(np.asarray(x.addressable_data(0)))
+
+
+def raise_if_nonfinite(leaves: _checks.Leaves, finite: jax.Array, fn_name: str) -> None:
+    """Raises `NonFiniteError` now (eagerly), or from a host callback on every
+    device (traced), when `finite` is False."""
+    paths = [_checks.path_str(path) for path in leaves.paths] or ["<none>"]
+    if not _checks.is_traced(finite):
+        if not _host_bool(finite):
+            flags = [_host_bool(jnp.all(jnp.isfinite(x))) for x in leaves.arrays]
+            raise _error(fn_name, paths, flags or [False])
+        return
+    leaf_flags = [jnp.all(jnp.isfinite(x)) for x in leaves.arrays] or [finite]
+
+    def check(ok: jax.Array, flags: jax.Array) -> None:
+        if not ok:
+            raise_or_record(_error(fn_name, paths, flags))
+
+    # Partitioned: every device checks its copy of these replicated flags, so
+    # that every process of a multi-process job raises.
+    jax.debug.callback(check, finite, jnp.stack(leaf_flags), partitioned=True)
 
 
 def raise_or_record(error: NonFiniteError) -> None:

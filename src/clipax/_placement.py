@@ -11,36 +11,19 @@ concatenated without resharding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from clipax import _common
+from clipax import _checks
 
 MeshAxes = tuple[str, ...]
-AxisName = str | Sequence[str] | None
+AxisName = str | Sequence[str] | None  # as the public functions take it
 # For each leaf, the mesh axes that split each of its dimensions.
 Placements = list[list[MeshAxes]]
-
-
-def normalize_axis_name(axis_name: AxisName) -> MeshAxes:
-    """`axis_name` as a tuple of mesh-axis names; () for None."""
-    if axis_name is None:
-        return ()
-    names: tuple[Any, ...] = ()
-    if isinstance(axis_name, str):
-        names = (axis_name,)
-    elif isinstance(axis_name, (tuple, list)):
-        names = tuple(axis_name)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(
-            "`axis_name` must be None, a mesh-axis name, or a sequence of names; "
-            f"got {axis_name!r}."
-        )
-    return names
 
 
 def _is_spec(node: Any) -> bool:
@@ -54,7 +37,7 @@ def _spec_entries(spec: PartitionSpec | None, path: Any, ndim: int) -> list[Mesh
         return entries
     if len(spec) > ndim:
         raise ValueError(
-            f"`specs` gives {spec} to the leaf at {_common.path_str(path)}, which "
+            f"`specs` gives {spec} to the leaf at {_checks.path_str(path)}, which "
             f"has rank {ndim}: a PartitionSpec may not be longer than the rank."
         )
     for dim, entry in enumerate(spec):
@@ -65,18 +48,19 @@ def _spec_entries(spec: PartitionSpec | None, path: Any, ndim: int) -> list[Mesh
 
 
 def leaf_placements(
-    flat: list[tuple[Any, Any]], specs: Any, axis_name: AxisName
+    leaves: _checks.Leaves, specs: Any, axis_name: MeshAxes
 ) -> Placements | None:
-    """For each leaf of `flat` ((path, leaf) pairs), the mesh axes that split
-    each of its dimensions; None when neither `specs` nor `axis_name` is given.
+    """For each of `leaves`, the mesh axes that split each of its dimensions;
+    None when neither `specs` nor `axis_name` (normalised by
+    `_checks.axis_name`) is given.
 
     `specs` is a prefix of the tree: each PartitionSpec covers the leaves
     below it. `axis_name` splits every leaf (along an unknown dimension, which
     only a whole-leaf reduction can use; it is recorded on every dimension).
     """
-    if specs is None and axis_name is None:
+    if specs is None and not axis_name:
         return None
-    names = normalize_axis_name(axis_name)
+    names = axis_name
     table: dict[tuple[str, ...], PartitionSpec | None] = {}
     if specs is not None:
         for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[
@@ -85,12 +69,12 @@ def leaf_placements(
             if not _is_spec(spec):
                 raise TypeError(
                     "`specs` must be a tree of jax.sharding.PartitionSpec (a prefix "
-                    f"of the updates); at {_common.path_str(path)} it holds "
+                    f"of the updates); at {_checks.path_str(path)} it holds "
                     f"{spec!r}."
                 )
             table[tuple(map(str, path))] = spec
     placements = []
-    for path, leaf in flat:
+    for path, leaf in zip(leaves.paths, leaves.arrays, strict=True):
         spec = None
         if specs is not None:
             key = tuple(map(str, path))
@@ -101,7 +85,7 @@ def leaf_placements(
             else:
                 raise ValueError(
                     f"`specs` has no PartitionSpec for the leaf at "
-                    f"{_common.path_str(path)} (shape {tuple(leaf.shape)}); it must "
+                    f"{_checks.path_str(path)} (shape {tuple(leaf.shape)}); it must "
                     "be a prefix of the updates tree, as `in_specs` of shard_map."
                 )
         entries = _spec_entries(spec, path, leaf.ndim)
@@ -110,7 +94,7 @@ def leaf_placements(
             if leaf.ndim == 0:
                 raise ValueError(
                     f"`axis_name` splits every leaf, but the leaf at "
-                    f"{_common.path_str(path)} is a scalar; use `specs` to mark it "
+                    f"{_checks.path_str(path)} is a scalar; use `specs` to mark it "
                     "replicated."
                 )
         placements.append(entries)
@@ -128,28 +112,26 @@ def split_axes(entries: list[MeshAxes], dims: Sequence[int] | None = None) -> Me
 def psum_each(
     values: list[jax.Array],
     axes: list[MeshAxes],
-    together: Sequence[Hashable] | None = None,
-    op: Callable[..., jax.Array] = jax.lax.psum,
+    varies_over: Sequence[Hashable] | None = None,
 ) -> list[jax.Array]:
-    """`op` (psum or pmax) of each value over its mesh `axes`.
+    """psum of each value over its mesh `axes`.
 
-    Values with the same axes (and the same `together` key, when given) travel
-    in one collective. Values that vary over different mesh axes must not
-    share one, or `shard_map`'s replication checks would see them all as
-    varying: `together` keeps them apart.
+    Values with the same axes travel in one collective, unless they vary over
+    different mesh axes (`varies_over`, each value's): `shard_map`'s
+    replication checks would then see them all as varying.
     """
     out = list(values)
     sets: dict[Any, list[int]] = {}
     for i, names in enumerate(axes):
         if names:
-            key = (names, together[i] if together is not None else None)
+            key = (names, varies_over[i] if varies_over is not None else None)
             sets.setdefault(key, []).append(i)
     for (names, _), index in sets.items():
         if len(index) == 1:
-            out[index[0]] = op(values[index[0]], names)
+            out[index[0]] = jax.lax.psum(values[index[0]], names)
             continue
         flat = jnp.concatenate([jnp.ravel(values[i]) for i in index])
-        reduced = op(flat, names)
+        reduced = jax.lax.psum(flat, names)
         offset = 0
         for i in index:
             size = values[i].size
@@ -180,7 +162,7 @@ def is_whole(x: Any) -> bool:
     automatic mesh axes, a traced value's sharding is decided by XLA after
     tracing, so clipax cannot know it.
     """
-    if not _common.is_traced(x):
+    if not _checks.is_traced(x):
         sharding = getattr(x, "sharding", None)
         if sharding is None:  # a NumPy array: it is copied to one device anyway
             return True

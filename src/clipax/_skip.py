@@ -9,12 +9,27 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _common, _states
-from clipax._placement import AxisName, normalize_axis_name
-from clipax.tree import _global_norm
+from clipax import _checks, _engine, _placement, _states
 
 
-@_states.register("skip_spikes", inner="inner_state")
+@_states.declare(
+    "skip_spikes",
+    scalars=(
+        "skipped",
+        "forced",
+        "skipped_count",
+        "consecutive_skips",
+        "accepted_count",
+        "norm",
+        "norm_mean",
+        "norm_variance",
+        "loss",
+        "loss_count",
+        "loss_mean",
+        "loss_variance",
+    ),
+    inner="inner_state",
+)
 class SkipSpikesState(NamedTuple):
     """State of `skip_spikes`: the wrapped state and the spike statistics.
 
@@ -74,122 +89,69 @@ def skip_spikes(
     warmup_steps: int = 64,
     max_consecutive_skips: int = 10,
     max_norm: ArrayLike | None = None,
-    axis_name: AxisName = None,
+    axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Skips a step whose gradient norm (or loss) is non-finite or a spike.
 
-    Wraps `inner` (any `optax.GradientTransformation`, e.g. the whole
-    `optax.chain(clip, adamw)`). Each step takes the global L2 norm `g` of the
-    incoming updates (clipax's exact engine; `specs` / `axis_name` inside
-    `shard_map` or `pmap`) and skips the step when
-
-    - `g` is NaN or inf (always), or the `loss=` passed to `update` is;
-    - `g > max_norm`, when `max_norm` is given (axlearn's
-      `skip_and_clip_by_global_norm` drop threshold);
-    - `g - mean > z_threshold * std`, a z-score above `z_threshold` against
-      the running statistics of the norms of accepted steps, once
-      `warmup_steps` steps were accepted;
-    - the same test on the loss, when `update(..., loss=...)` is given one
-      (optax's extra-args protocol: `optax.chain` and `optax.MultiSteps`
-      forward it), with its own statistics and warmup.
-
-    A skipped step returns zero updates (so `optax.apply_updates` leaves the
-    parameters where they are) and `inner`'s state bit for bit as it was:
-    Adam's moments and step count do not move, a schedule does not advance.
-    Skipped steps do not enter the statistics. After `max_consecutive_skips`
-    skips in a row, the next outlier is let through and enters the statistics
-    (the statistics may be stale after a real shift of the norm's level; the
-    data is not broken) and the state's `forced` says so; non-finite steps and
-    norms above `max_norm` are never let through. Every decision is taken on
-    the device from values that are the same on every device (the global norm,
-    the loss the caller averaged): no host round trip, no retrace, the same
-    decision everywhere.
-
-    Statistics: an exponential moving average with factor `alpha`, started as
-    the exact mean and population variance of the first accepted values (the
-    weight of a new value is `max(1 - alpha, 1 / n)` for the n-th), not a
-    rolling window as in OLMo-core, Levanter and MaxText: the state stays a
-    few scalars whatever the horizon, each step costs O(1) instead of a pass
-    over the window, there is no cold-start bias, and old steps fade instead
-    of dropping out all at once. The default `alpha=0.985` gives the EMA the
-    centre of mass (about 65 steps back) of the peers' 128-step window.
-
-    Defaults, from the peers: `z_threshold=6.0` is the `sigma_factor` of
-    OLMo-core's `SkipStepOptimizer` and Levanter's `SkipStepConfig`, and
-    MaxText's `skip_step_on_spikes` takes the same `mean + k * std` test;
-    `warmup_steps=64` is when those start testing (half their 128-step
-    `rolling_interval_length`). `max_consecutive_skips=10` has no peer
-    default: they let skipped steps into their window, so a lasting shift
-    ends the skipping by itself; here skipped steps stay out, and the limit
-    plays that part (`optax.apply_if_finite`'s `max_consecutive_errors` is the
-    same idea for NaNs).
+    Wraps `inner` (any transformation, e.g. the whole `optax.chain(clip,
+    adamw)`). A step is skipped when the global norm of the incoming updates,
+    or the `loss=` passed to `update`, is NaN or inf, when the norm is above
+    `max_norm`, or when either is a spike: more than `z_threshold` standard
+    deviations above the running mean of accepted steps, once `warmup_steps`
+    were accepted. A skipped step returns zero updates and `inner`'s state
+    bit for bit as it was; after `max_consecutive_skips` skips in a row the
+    next spike is let through (`forced`). Every decision is a select on the
+    device, the same on every device (docs/skipping-and-logging.md).
 
     Args:
       inner: the transformation whose steps are skipped; extra arguments of
         `update` (`loss=` included) are forwarded to it.
       z_threshold: the z-score above which a norm (or loss) is a spike, > 0;
-        `inf` turns the statistical tests off. May be traced.
-      alpha: the EMA factor of the statistics, in (0, 1). May be traced.
-      warmup_steps: how many accepted steps (with a loss, for the loss test)
-        the statistics take before the z-tests start, an int in
-        [1, 2**31 - 1] (the state's counters are int32).
-      max_consecutive_skips: after this many skips in a row the next outlier
-        is let through, an int in [1, 2**31 - 1].
+        `inf` turns the statistical tests off.
+      alpha: the EMA factor of the statistics, in (0, 1).
+      warmup_steps: accepted steps before the z-tests start, an int >= 1.
+      max_consecutive_skips: after this many skips in a row the next spike
+        is let through, an int >= 1.
       max_norm: None (default), or a norm above which a step is always
-        skipped: a positive scalar, or traced.
-      axis_name: inside `pmap` or `shard_map`, the mesh axes every update leaf
-        is split over (see `clipax.tree.global_norm`).
-      specs: inside `shard_map`, the `in_specs` of the updates, a prefix tree
-        of PartitionSpecs (see `clipax.tree.global_norm`).
+        skipped: a positive scalar or an array.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
+        split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
-      `SkipSpikesState`; its `update` takes an optional `loss=` (a scalar, the
-      same on every device).
+      `SkipSpikesState`; its `update` takes an optional scalar `loss=`.
 
     Raises:
-      TypeError: at construction, if `inner` is not a transformation, or if
-        `z_threshold`, `alpha` or `max_norm` is not a real number (a string,
-        a bool, None for the first two, an array of another dtype).
-      ValueError: at construction, if another argument is not accepted: a
-        number out of range or not a scalar; a count (`warmup_steps`,
-        `max_consecutive_skips`) that is not an int in [1, 2**31 - 1],
-        whatever its type; an `axis_name` that is not a name or names.
+      TypeError: at construction, if `inner` is not a transformation, or
+        `z_threshold`, `alpha` or `max_norm` is not a real number.
+      ValueError: at construction, if an argument is not accepted.
 
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import clipax
       >>> tx = clipax.skip_spikes(optax.adam(0.1), warmup_steps=3)
-      >>> params = {"w": jnp.zeros(2)}
-      >>> state = tx.init(params)
+      >>> state = tx.init({"w": jnp.zeros(2)})
       >>> for g in [1.0, 1.2, 0.9, 1.1, 50.0]:  # a spike at the last step
       ...     updates, state = tx.update({"w": jnp.array([g, 0.0])}, state)
-      >>> updates["w"], state.skipped, state.skipped_count
-      (Array([0., 0.], dtype=float32), Array(True, dtype=bool), Array(1, dtype=int32))
-      >>> state.inner_state[0].count  # Adam's count: four steps, not five
-      Array(4, dtype=int32)
+      >>> updates["w"], state.skipped, state.inner_state[0].count
+      (Array([0., 0.], dtype=float32), Array(True, dtype=bool), Array(4, dtype=int32))
     """
-    if not (hasattr(inner, "init") and hasattr(inner, "update")):
-        raise TypeError(
-            "`inner` must be an optax.GradientTransformation; got "
-            f"{type(inner).__name__}."
-        )
-    _adaptive.check_positive("z_threshold", z_threshold, inf_ok=True)
-    _adaptive.check_open_unit("alpha", alpha)
-    _adaptive.check_count("warmup_steps", warmup_steps, traced_ok=True)
-    _adaptive.check_count(
-        "max_consecutive_skips", max_consecutive_skips, traced_ok=True
-    )
+    _checks.transformation("inner", inner)
+    _checks.positive("z_threshold", z_threshold, inf_ok=True)
+    _checks.open_unit("alpha", alpha)
+    _checks.count("warmup_steps", warmup_steps, traced_ok=True)
+    _checks.count("max_consecutive_skips", max_consecutive_skips, traced_ok=True)
     if max_norm is not None:
-        _common.check_max_norm("max_norm", max_norm)
-    normalize_axis_name(axis_name)
+        _checks.threshold("max_norm", max_norm)
+    names = _checks.axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
-        flat = _common.check_norm_leaves(params, "skip_spikes")
-        dtype = _common.tree_accum_dtype([leaf for _, leaf in flat])
+        leaves = _checks.norm_leaves(params, "skip_spikes")
+        dtype = _engine.tree_accum_dtype(leaves.arrays)
         zero, count = jnp.zeros((), dtype), jnp.zeros((), jnp.int32)
         return SkipSpikesState(
             inner_state=inner.init(params),
@@ -216,9 +178,9 @@ def skip_spikes(
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipSpikesState]:
         dtype = state.norm.dtype
-        norm = _global_norm.global_norm(
-            updates, axis_name=axis_name, specs=specs
-        ).astype(dtype)
+        leaves = _checks.norm_leaves(updates, "skip_spikes")
+        placements = _placement.leaf_placements(leaves, specs, names)
+        norm = _engine.global_norm(leaves.arrays, 2.0, placements).astype(dtype)
         n = state.accepted_count
         broken = ~jnp.isfinite(norm)
         outlier = _outlier(
@@ -227,12 +189,7 @@ def skip_spikes(
         if max_norm is not None:
             broken |= norm > jnp.asarray(max_norm).astype(dtype)
         if loss is not None:
-            value = jnp.asarray(loss)
-            if value.shape != ():
-                raise ValueError(
-                    f"`loss` must be a scalar; got an array of shape {value.shape}."
-                )
-            value = value.astype(dtype)
+            value = _checks.scalar_array("loss", loss).astype(dtype)
             broken |= ~jnp.isfinite(value)
             outlier |= _outlier(
                 value,

@@ -1,22 +1,22 @@
-"""The registry of clipax's state classes, which `metrics` and `migrate_state` read.
+"""What each clipax state class declares, for `metrics` and `migrate_state`.
 
-Every clipax transformation that keeps a state registers its NamedTuple class
-once, where the class is defined, saying what the two readers cannot guess:
+A state class declares itself where it is defined:
 
-    @_states.register("clip_by_norm", per_leaf=("norms",))
+    @_states.declare("clip_by_norm", per_tensor={"norms": "norm"})
     class ClipByNormState(NamedTuple): ...
 
-- `name`: the public factory's name, which `clipax.metrics` puts in its keys
-  (`0/clip_by_norm/...`);
-- `per_leaf`: the fields that hold a tree with one scalar per update leaf,
-  which `metrics` reports leaf by leaf;
-- `inner`: for a wrapper (`skip_spikes`), the field holding the wrapped
-  transformation's state, which `metrics` walks for more clipax states and
-  `migrate_state` fills from the old state.
+- `name`: its factory's name, which `metrics` puts in its keys;
+- `scalars`: the fields `metrics` reports as they are (one scalar each);
+- `per_tensor`: the fields holding a tree with one value per update tensor,
+  reported tensor by tensor under the name given (`norms` -> `norm`);
+- `inner`: for a wrapper, the field holding the wrapped state, which `metrics`
+  walks and `migrate_state` fills from the old state.
 
-Every other field is one of the rule's statistics: reported by `metrics` when
-it is a scalar, started fresh by `migrate_state` where the old chain kept none.
-A NamedTuple that is not registered is not clipax's, whatever its module.
+Where `metrics` finds a declared `norm` and `threshold` (scalars, or both per
+tensor), it adds `clipped` and `clip_factor`. A restored state (orbax's
+untargeted restore, an `nnx.State`) keeps only its field names: a mapping
+whose keys are exactly a declared class's fields is that class's state. A
+NamedTuple that is not declared is not clipax's, whatever its module.
 """
 
 from __future__ import annotations
@@ -27,95 +27,87 @@ from typing import Any, TypeVar
 
 import jax
 
-from clipax import _common
+from clipax import _checks
 
 _Class = TypeVar("_Class", bound=type)
 
 
 @dataclasses.dataclass(frozen=True)
-class StateClass:
-    """A registered clipax state class and what its fields hold (see the module)."""
+class Declared:
+    """A clipax state class and what it declares (see the module)."""
 
     cls: type
-    fields: tuple[str, ...]
     name: str
-    per_leaf: tuple[str, ...]
+    scalars: tuple[str, ...]
+    per_tensor: Mapping[str, str]
     inner: str | None
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self.cls._fields)  # type: ignore[attr-defined]
 
-# Filled as clipax's modules are imported: each state class registers itself.
-REGISTRY: dict[type, StateClass] = {}
+    def is_restored(self, node: Mapping[Any, Any]) -> bool:
+        """Whether `node` is this class's state with its class gone."""
+        return {str(key) for key in node} == set(self.fields)
 
 
-def register(
-    name: str, *, per_leaf: tuple[str, ...] = (), inner: str | None = None
+# Filled as clipax's modules are imported: each state class declares itself.
+DECLARED: dict[type, Declared] = {}
+
+
+def declare(
+    name: str,
+    *,
+    scalars: tuple[str, ...] = (),
+    per_tensor: Mapping[str, str] | None = None,
+    inner: str | None = None,
 ) -> Callable[[_Class], _Class]:
-    """A class decorator that registers a NamedTuple as a clipax state class.
-
-    Args:
-      name: the public factory's name (`"zclip"`), used in `clipax.metrics`'s
-        keys.
-      per_leaf: the fields holding one scalar per update leaf.
-      inner: the field holding a wrapped transformation's state, or None.
-
-    Returns:
-      The decorator, which returns the class unchanged.
+    """A class decorator that declares a NamedTuple a clipax state class.
 
     Raises:
       TypeError: if the class is not a NamedTuple.
-      ValueError: if the class, its `name` or its set of fields is registered
-        already (`migrate_state` tells a restored state's class by its fields),
-        or if a field named in `per_leaf` or `inner` is not one of the class's.
+      ValueError: if the class or its `name` is declared already, or a field
+        named in the declaration is not one of the class's.
     """
+    per_tensor = dict(per_tensor or {})
 
     def add(cls: _Class) -> _Class:
         fields = getattr(cls, "_fields", None)
         if not (issubclass(cls, tuple) and isinstance(fields, tuple)):
             raise TypeError(
-                f"`register` takes a NamedTuple class; got {cls.__qualname__}."
+                f"`declare` takes a NamedTuple class; got {cls.__qualname__}."
             )
-        for field in (*per_leaf, *([] if inner is None else [inner])):
+        for field in (*scalars, *per_tensor, *([] if inner is None else [inner])):
             if field not in fields:
                 raise ValueError(
-                    f"{cls.__qualname__} has no field {field!r} to register; "
-                    f"its fields are {fields}."
+                    f"{cls.__qualname__} has no field {field!r} to declare; its "
+                    f"fields are {fields}."
                 )
-        for other in REGISTRY.values():
-            same = {
-                "class": cls is other.cls,
-                "name": name == other.name,
-                "fields": set(fields) == set(other.fields),
-            }
-            if any(same.values()):
+        for other in DECLARED.values():
+            if cls is other.cls or name == other.name:
+                same = "class" if cls is other.cls else "name"
                 raise ValueError(
-                    f"{cls.__qualname__} cannot be registered as {name!r}: "
-                    f"{other.cls.__qualname__}, registered as {other.name!r}, has "
-                    f"the same {' and '.join(k for k, v in same.items() if v)}."
+                    f"{cls.__qualname__} cannot be declared as {name!r}: "
+                    f"{other.cls.__qualname__}, declared as {other.name!r}, has "
+                    f"the same {same}."
                 )
-        REGISTRY[cls] = StateClass(cls, fields, name, tuple(per_leaf), inner)
+        DECLARED[cls] = Declared(cls, name, tuple(scalars), per_tensor, inner)
         return cls
 
     return add
 
 
-def state_class(node: Any) -> StateClass | None:
-    """The registration of `node`'s class; None when `node` is no clipax state."""
-    return REGISTRY.get(type(node))
-
-
-def restored_state_class(node: Mapping[Any, Any]) -> StateClass | None:
-    """The registered class whose fields are exactly the keys of `node`: a
-    clipax state whose class is gone (orbax's untargeted restore, `nnx.State`)."""
-    keys = {str(key) for key in node}
-    for registered in REGISTRY.values():
-        if keys == set(registered.fields):
-            return registered
-    return None
+def declared(node: Any) -> Declared | None:
+    """What `node`'s class declares: for a mapping (a restored state), the
+    class whose fields are its keys; None when `node` is no clipax state."""
+    if isinstance(node, Mapping):
+        return next((d for d in DECLARED.values() if d.is_restored(node)), None)
+    return DECLARED.get(type(node))
 
 
 def children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """One level of an optimizer state: `node`'s children as (key, child), and
-    the treedef that rebuilds `node` from them (a leaf has no children)."""
+    """One level of a state: `node`'s children as (key, child), and the
+    treedef that rebuilds `node` from them (a leaf has no children)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
@@ -124,4 +116,4 @@ def children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
 
 def key_name(key: Any) -> str:
     """A child's key as a string: a dict key, an attribute name, an index."""
-    return _common.path_segments((key,))[0]
+    return _checks.path_keys((key,))[0]

@@ -10,17 +10,18 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _common
-from clipax._peers import peer_names
-from clipax.tree import _value
+from clipax import _checks
+from clipax.tree import _value as tree_value
 
 MAX_DELTA_ACCEPTED = (
     "a real number >= 0, a NumPy or JAX scalar or array of them, or a traced value"
 )
 
 
-@peer_names(
-    {"clip_value_min": "min_value", "clip_value_max": "max_value"}, ignored=["name"]
+@_checks.peer_names(
+    "clipax.clip_by_value",
+    {"clip_value_min": "min_value", "clip_value_max": "max_value"},
+    ["name"],
 )
 def clip_by_value(
     min_value: ArrayLike, max_value: ArrayLike, name: str | None = None
@@ -57,13 +58,17 @@ def clip_by_value(
       Array([-1. ,  0.5,  2. ], dtype=float32)
     """
     del name  # means nothing in JAX
-    _common.check_bounds(min_value, max_value)
-    return optax.stateless(
-        lambda updates, params: _value.clip_by_value(updates, min_value, max_value)
-    )
+    _checks.bounds(min_value, max_value)
+
+    def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
+        del params
+        leaves = _checks.value_leaves(updates, "clip_by_value")
+        return tree_value.clip_leaves(leaves, min_value, max_value)
+
+    return optax.stateless(clip)
 
 
-@peer_names({"clip_value": "max_delta"}, ignored=["foreach"])
+@_checks.peer_names("clipax.clip", {"clip_value": "max_delta"}, ["foreach"])
 def clip(
     max_delta: ArrayLike, foreach: bool | None = None
 ) -> optax.GradientTransformation:
@@ -100,15 +105,15 @@ def clip(
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
     del foreach  # means nothing in JAX
-    if _common.is_traced(max_delta):
+    if _checks.is_traced(max_delta):
         return clip_by_value(-max_delta, max_delta)  # type: ignore[operator]
     arrays = (np.ndarray, np.generic, jax.Array)
     if max_delta is not None and not isinstance(max_delta, (numbers.Real, *arrays)):
         raise TypeError(  # a list, say: `-max_delta` would fail naming nothing
             f"`max_delta` must be {MAX_DELTA_ACCEPTED}; got "
-            f"{_common.short_repr(max_delta)} of type {type(max_delta).__name__}."
+            f"{_checks.short_repr(max_delta)} of type {type(max_delta).__name__}."
         )
-    delta = _common.concrete_real("max_delta", max_delta, MAX_DELTA_ACCEPTED)
+    delta = _checks.real_array("max_delta", max_delta, MAX_DELTA_ACCEPTED)
     if not (delta >= 0).all():  # also catches NaN
         raise ValueError(f"`max_delta` must be >= 0 and not NaN; got {max_delta!r}.")
     return clip_by_value(_negated(max_delta), max_delta)

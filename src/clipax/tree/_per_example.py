@@ -2,42 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _common, _engine
+from clipax import _checks, _engine
 
-CLIP_ACCEPTED = (
-    f"a scalar >= 0 ({_common.THRESHOLD_TYPES}); inf means no clipping, 0 "
-    "zeroes every nonzero example"
-)
-
-
-def _check_clip(name: str, value: Any) -> None:
-    _common.check_scalar(name, value, CLIP_ACCEPTED, low=0)
-
-
-def _batched_leaves(grads: chex.ArrayTree, fn_name: str) -> list[Any]:
-    """The leaves, checked to be float arrays sharing a leading batch axis."""
-    flat = _common.check_norm_leaves(grads, fn_name)
-    batch = None
-    for path, leaf in flat:
-        shape = tuple(leaf.shape)
-        if batch is None and shape:
-            batch = shape[0]
-        if not shape or shape[0] != batch:
-            raise ValueError(
-                f"`{fn_name}` takes per-example gradients: every leaf must have "
-                "the same batch size on axis 0"
-                + (f" ({batch}, from the first leaf)" if batch is not None else "")
-                + f"; the leaf at {_common.path_str(path)} has shape {shape}."
-            )
-    return [leaf for _, leaf in flat]
+CLIP_ACCEPTED = "a scalar >= 0; inf means no clipping, 0 zeroes every nonzero example"
 
 
 def _example_norms(leaves: list[jax.Array]) -> list[jax.Array]:
@@ -60,7 +33,7 @@ def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
 
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
-    scales = _common.clip_scale(norms, clip)
+    scales = _engine.clip_factor(norms, clip)
     # As optax counts them, but for a non-finite norm (its example is NaN).
     clipped = (norms > jnp.asarray(clip, norms.dtype)) & jnp.isfinite(norms)
     return scales, jnp.sum(clipped).astype(jnp.int32)
@@ -72,41 +45,27 @@ def per_example_global_norm_clip(
     """Clips each example's gradient to global norm `l2_norm_clip`, then sums.
 
     The clipping step of DP-SGD, equal to `optax.per_example_global_norm_clip`
-    on the same inputs. Every leaf of `grads` holds per-example gradients on
-    axis 0 (as `jax.vmap(jax.grad(loss), in_axes=(None, 0))` gives them).
-    Example `i`, of global L2 norm `n_i` over all leaves, is weighted by
-    `l2_norm_clip / max(n_i, l2_norm_clip)`, and the weighted examples are
-    summed. Only the `[batch]` norms and one weighted sum over the batch per
-    leaf are computed, each fused into one pass: no clipped copy of the
-    per-example gradients is made on XLA's CPU backend (on GPU, XLA was seen
-    to make one leaf-sized temporary: docs/semantics.md). Works with the batch
-    axis sharded across devices (under jit with `NamedSharding`, explicit mesh
-    axes included, where optax's `tensordot` asks for an output sharding).
-
-    With clipax's rules: norms are accumulated in float32 (float64 for float64
-    leaves), each summed leaf keeps its input dtype (optax returns float32 for
-    bfloat16 input), an example of norm 0 counts as not clipped, and an example
-    whose norm is NaN or inf makes every output NaN (optax lets it through
-    unscaled, or zeroes its finite entries). A tree with no leaves gives itself
-    and a count of 0.
+    on the same inputs: every leaf holds per-example gradients on axis 0, example
+    `i` of global norm `n_i` is weighted by `l2_norm_clip / max(n_i,
+    l2_norm_clip)`, and the weighted examples are summed, with no clipped copy of
+    the gradients (docs/semantics.md, "Per-example clipping"). Norms accumulate in
+    float32 (float64 for float64 leaves), each summed leaf keeps its dtype, and an
+    example whose norm is NaN or inf makes every output NaN.
 
     Args:
-      grads: a pytree of float16, bfloat16, float32, float64 or complex arrays,
-        each with the batch on axis 0; None and `optax.MaskedNode` leaves are
-        empty.
+      grads: a pytree of float arrays, each with the batch on axis 0.
       l2_norm_clip: the largest global norm of one example: a scalar >= 0,
-        `inf`, or a traced value.
+        `inf`, or an array.
 
     Returns:
       `(summed, num_clipped)`: the sum over the batch of the clipped
-      per-example gradients (the structure of `grads`, each leaf without its
-      batch axis), and an int32 scalar, how many examples were scaled down.
+      per-example gradients, and an int32 scalar, how many examples were
+      scaled down.
 
     Raises:
       ValueError: if `l2_norm_clip` is not accepted, or a leaf has no axis 0 or
-        a batch size that differs from the first leaf's.
-      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
-        array.
+        another batch size than the first leaf's.
+      TypeError: if a leaf is not a float array.
 
     Example:
       >>> import jax.numpy as jnp
@@ -120,11 +79,11 @@ def per_example_global_norm_clip(
       Abadi et al., `Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>`_, 2016.
     """
-    _check_clip("l2_norm_clip", l2_norm_clip)
-    leaves = _batched_leaves(grads, "per_example_global_norm_clip")
+    _checks.nonnegative("l2_norm_clip", l2_norm_clip, CLIP_ACCEPTED)
+    leaves = _checks.batched_leaves(grads, "per_example_global_norm_clip").arrays
     if not leaves:
         return grads, jnp.zeros((), jnp.int32)
-    dtype = _common.tree_accum_dtype(leaves)
+    dtype = _engine.tree_accum_dtype(leaves)
     per_leaf = jnp.stack([n.astype(dtype) for n in _example_norms(leaves)])
     norms = _engine.norm_of_norms(per_leaf)
     scales, num_clipped = _scales(norms, l2_norm_clip)
@@ -140,56 +99,44 @@ def per_example_layer_norm_clip(
     """Clips each example's gradient leaf by leaf (layer by layer), then sums.
 
     Per-layer clipping for DP training (McMahan et al. 2017), equal to
-    `optax.per_example_layer_norm_clip` on the same inputs. Each of the `K`
-    leaves is clipped on its own, per example, as
-    `clipax.tree.per_example_global_norm_clip` does, to its share of
-    `C = global_l2_norm_clip`: `C / sqrt(K)` when `uniform`, else
-    `C * sqrt(D_i / D)`, `D_i` being the leaf's size per example and `D` the
-    total. Either way the clipped example's global norm is at most `C`. The
-    rules of `per_example_global_norm_clip` hold for each leaf.
+    `optax.per_example_layer_norm_clip` on the same inputs: each of the `K`
+    leaves is clipped per example, as `per_example_global_norm_clip` does, to its
+    share of `C = global_l2_norm_clip`: `C / sqrt(K)` when `uniform`, else
+    `C * sqrt(D_i / D)` (`D_i` the leaf's size per example, `D` the total).
+    Either way a clipped example's global norm is at most `C`.
 
     Args:
-      grads: a pytree of float16, bfloat16, float32, float64 or complex arrays,
-        each with the batch on axis 0; None and `optax.MaskedNode` leaves are
-        empty.
-      global_l2_norm_clip: the bound `C` on the global norm of one clipped
-        example: a scalar >= 0, `inf`, or a traced value.
-      uniform: whether every leaf gets the same share of `C` (True, default) or
-        a share by its size (False).
+      grads: a pytree of float arrays, each with the batch on axis 0.
+      global_l2_norm_clip: the bound `C`: a scalar >= 0, `inf`, or an array.
+      uniform: whether every leaf gets the same share of `C` (default) or a
+        share by its size.
 
     Returns:
       `(summed, num_clipped)`: the sum over the batch of the clipped
-      per-example gradients, and a tree of the same structure with, in place of
-      each leaf, an int32 scalar: how many examples that leaf was scaled down
-      for.
+      per-example gradients, and a tree with an int32 scalar per leaf: how many
+      examples that leaf was scaled down for.
 
     Raises:
       ValueError: if `global_l2_norm_clip` is not accepted, or a leaf has no
-        axis 0 or a batch size that differs from the first leaf's.
-      TypeError: if a leaf is not a float16, bfloat16, float32, float64 or complex
-        array.
+        axis 0 or another batch size than the first leaf's.
+      TypeError: if a leaf is not a float array, or `uniform` is not a bool.
 
     Example:
       >>> import jax.numpy as jnp
       >>> import clipax
       >>> grads = {"a": jnp.array([[3.0, 4.0], [0.3, 0.4]]),
       ...          "b": jnp.array([[0.0], [2.0]])}
-      >>> summed, num_clipped = clipax.tree.per_example_layer_norm_clip(
-      ...     grads, 2**0.5)  # each leaf clipped to norm 1
-      >>> # a: [3, 4] clipped to [0.6, 0.8], plus [0.3, 0.4]; b: [2] clipped to [1]
-      >>> jnp.allclose(summed["a"], jnp.array([0.9, 1.2]))
-      Array(True, dtype=bool)
-      >>> jnp.allclose(summed["b"], jnp.array([1.0]))
-      Array(True, dtype=bool)
-      >>> num_clipped["a"], num_clipped["b"]
+      >>> _, num_clipped = clipax.tree.per_example_layer_norm_clip(grads, 2**0.5)
+      >>> num_clipped["a"], num_clipped["b"]  # each leaf clipped to norm 1
       (Array(1, dtype=int32), Array(1, dtype=int32))
 
     References:
       McMahan et al., `Learning Differentially Private Recurrent Language
       Models <https://arxiv.org/abs/1710.06963>`_, 2017.
     """
-    _check_clip("global_l2_norm_clip", global_l2_norm_clip)
-    leaves = _batched_leaves(grads, "per_example_layer_norm_clip")
+    _checks.nonnegative("global_l2_norm_clip", global_l2_norm_clip, CLIP_ACCEPTED)
+    uniform = _checks.flag("uniform", uniform)
+    leaves = _checks.batched_leaves(grads, "per_example_layer_norm_clip").arrays
     treedef = jax.tree.structure(grads)
     if uniform:
         shares = [1.0 / len(leaves)] * len(leaves) if leaves else []

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from clipax import _common
-from clipax._peers import peer_names
+from clipax import _checks
 
 INTEGER_BOUND = (
     "an integer leaf is clamped in its own dtype, so its bounds must be whole "
@@ -27,7 +26,7 @@ def _check_integer_bound(
       TypeError: for a traced bound of a floating dtype, which cannot be
         checked.
     """
-    if _common.is_traced(bound):
+    if _checks.is_traced(bound):
         if not jnp.issubdtype(bound.dtype, jnp.integer):  # type: ignore[union-attr]
             raise TypeError(
                 f"`{name}` is a traced {bound.dtype} value and the leaf at {path} "  # type: ignore[union-attr]
@@ -42,7 +41,7 @@ def _check_integer_bound(
     finite = values[np.isfinite(values)]
     if np.any(finite != np.round(finite)):
         raise ValueError(
-            f"`{name}`={_common.short_repr(bound)} cannot bound the leaf at {path} "
+            f"`{name}`={_checks.short_repr(bound)} cannot bound the leaf at {path} "
             f"(dtype {dtype}) exactly: {INTEGER_BOUND}. Round the bound yourself "
             "(`math.floor`/`math.ceil`), or cast the leaf to a float dtype."
         )
@@ -100,7 +99,7 @@ def _float_bound(bound: ArrayLike, dtype: np.dtype) -> np.ndarray:
     largest value in a dtype with no inf (`float8_e4m3fn`), where the cast
     would give NaN. Finite leaf values never change."""
     if isinstance(bound, int):  # a Python int of any size
-        bound = _common.int_as_float(bound)
+        bound = _checks.int_as_float(bound)
     array = np.asarray(bound)
     if not _has_inf(dtype):
         big = float(jnp.finfo(dtype).max)
@@ -114,16 +113,17 @@ def _bound_for(bound: ArrayLike, dtype: np.dtype, lower: bool) -> ArrayLike:
     so no value passes through JAX's default dtypes (with x64 off,
     `jnp.asarray(np.int64(2**40))` wraps to 0, 2**31 overflows int32 and
     16777217.0 rounds to float32's 16777216)."""
-    if _common.is_traced(bound):
+    if _checks.is_traced(bound):
         return _traced_bound(bound, dtype)  # type: ignore[arg-type]
     if jnp.issubdtype(dtype, jnp.integer):
         return _integer_bound(bound, dtype, lower)
     return _float_bound(bound, dtype)
 
 
-@peer_names(
+@_checks.peer_names(
+    "clipax.tree.clip_by_value",
     {"t": "tree", "clip_value_min": "min_value", "clip_value_max": "max_value"},
-    ignored=["name"],
+    ["name"],
 )
 def clip_by_value(
     tree: chex.ArrayTree,
@@ -133,36 +133,21 @@ def clip_by_value(
 ) -> chex.ArrayTree:
     """Clamps every element of every leaf to `[min_value, max_value]`.
 
-    Like `tf.clip_by_value`: bounds may be scalars or arrays that broadcast to
-    each leaf, NaN stays NaN, +inf and -inf map to the bounds. Each leaf keeps its
-    dtype and shape. Python numbers are leaves too, taken as 0-d arrays (and
-    returned as such). Integer leaves are clamped in their own dtype, and no
-    bound is rounded: a bound with a fractional part (`3.1` for an int32 leaf)
-    raises a `ValueError` naming the leaf, its dtype and the bound, since
-    clamping at 3 would change values silently; whole-number bounds of any
-    dtype work, and bounds past the dtype's range (or +-inf) saturate, which
-    clamps exactly. A traced bound for an integer leaf must have an integer
-    dtype (a traced float cannot be checked: `TypeError`).
-
-    Concrete bounds are converted to each leaf's dtype on the host, never
-    through JAX's default dtypes: with x64 off, `2**31` and `np.int64(2**40)`
-    saturate for an int32 leaf and bound a float32 leaf at 2.1e9 and 1.1e12,
-    and 16777217.0 bounds an int32 leaf exactly. A floating leaf's bound is
-    rounded to its dtype as a cast rounds (to nearest): past the dtype's
-    largest finite value it is +-inf, or that largest value in a float8 dtype
-    with no inf (`float8_e4m3fn`), so no finite value changes.
-
-    It takes the call of `tf.clip_by_value`, under its TensorFlow names too.
+    Like `tf.clip_by_value`, and taking its call: bounds may be scalars or arrays
+    that broadcast to each leaf, NaN stays NaN, +inf and -inf map to the bounds,
+    and each leaf keeps its dtype and shape. Integer leaves are clamped in their
+    own dtype: a bound is never rounded (a fractional bound is an error naming
+    the leaf), and bounds past the dtype's range saturate. Concrete bounds are
+    converted to each leaf's dtype on the host, never through JAX's default
+    dtypes (docs/semantics.md, "Dtypes").
 
     Args:
-      tree: a pytree of real integer or floating-point arrays; None and
-        `optax.MaskedNode` leaves are empty and come back in place
-        (TensorFlow's `t`).
-      min_value: the lower bound, any real dtype, concrete or traced
-        (TensorFlow's `clip_value_min`).
+      tree: a pytree of real integer or floating-point arrays.
+      min_value: the lower bound, any real dtype (TensorFlow's
+        `clip_value_min`).
       max_value: the upper bound; where both are concrete, `min_value <=
-        max_value` everywhere (TensorFlow's `clip_value_max`).
-      name: TensorFlow's name for the operation: accepted and ignored.
+        max_value` (TensorFlow's `clip_value_max`).
+      name: TensorFlow's name for the operation: ignored.
 
     Returns:
       The clipped tree, with the structure, shapes and dtypes of `tree`.
@@ -170,11 +155,10 @@ def clip_by_value(
     Raises:
       ValueError: if a bound is NaN, `min_value > max_value`, a bound does not
         broadcast to a leaf's shape, or a concrete bound of an integer leaf is
-        not a whole number (the message names the leaf).
-      TypeError: if a bound is not real, a traced bound of an integer leaf has a float
-        dtype, or a leaf is bool, complex or not an array; if an argument is given under
-        two of its names (clipax's and a peer's); if `name` is not None, a bool or a
-        string.
+        not a whole number (naming the leaf).
+      TypeError: if a bound is not real, a traced bound of an integer leaf has
+        a float dtype, a leaf is bool, complex or not an array, or a peer's
+        argument is given wrongly.
 
     Example:
       >>> import jax.numpy as jnp
@@ -183,10 +167,19 @@ def clip_by_value(
       {'w': Array([-1. ,  0.5,  2. ], dtype=float32)}
     """
     del name  # means nothing in JAX
-    _common.check_bounds(min_value, max_value)
-    flat = _common.check_value_leaves(tree, "clip_by_value")
+    _checks.bounds(min_value, max_value)
+    return clip_leaves(
+        _checks.value_leaves(tree, "clip_by_value"), min_value, max_value
+    )
+
+
+def clip_leaves(
+    leaves: _checks.Leaves, min_value: ArrayLike, max_value: ArrayLike
+) -> chex.ArrayTree:
+    """`clip_by_value` of checked `leaves`, with checked bounds."""
     shapes = (np.shape(min_value), np.shape(max_value))
-    for path, x in flat:
+    out = []
+    for path, x in zip(leaves.paths, leaves.arrays, strict=True):
         try:
             shape = np.broadcast_shapes(x.shape, *shapes)
         except ValueError:
@@ -194,19 +187,14 @@ def clip_by_value(
         if shape != tuple(x.shape):
             raise ValueError(
                 f"`min_value` (shape {shapes[0]}) and `max_value` (shape "
-                f"{shapes[1]}) must broadcast to the leaf at {_common.path_str(path)}"
+                f"{shapes[1]}) must broadcast to the leaf at {_checks.path_str(path)}"
                 f" with shape {tuple(x.shape)} without changing its shape."
             )
-        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
         if jnp.issubdtype(dtype, jnp.integer):
             for arg, bound in (("min_value", min_value), ("max_value", max_value)):
-                _check_integer_bound(arg, bound, _common.path_str(path), dtype)
-
-    def clamp(x: jax.Array) -> jax.Array:
-        x = _common.as_array(x)
-        dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
+                _check_integer_bound(arg, bound, _checks.path_str(path), dtype)
         low = _bound_for(min_value, dtype, lower=True)
         high = _bound_for(max_value, dtype, lower=False)
-        return jnp.clip(x, low, high).astype(dtype)
-
-    return jax.tree.map(clamp, tree)
+        out.append(jnp.clip(jnp.asarray(x), low, high).astype(dtype))
+    return leaves.rebuild(out)

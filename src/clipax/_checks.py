@@ -1,0 +1,641 @@
+"""Arguments and leaves: every check a public entry makes, once, with its message.
+
+A public function or factory checks what it is given with these functions and
+passes inward only normalised values: an `ord` as a float, `axes` as a tuple,
+a mesh-axis name as a tuple of names, a tree's leaves as `Leaves`. The peers'
+argument names (`peer_names`) are taken here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+PyTree = Any
+KeyPath = tuple[Any, ...]
+F = TypeVar("F", bound=Callable[..., Any])
+
+THRESHOLD_TYPES = "a real number, a NumPy or JAX scalar, or a traced value"
+NORM_DTYPES = "float16, bfloat16, float32, float64 or complex"
+ORD_ACCEPTED = "1, 2, inf, or a real number p >= 1"
+ORD_INF_NAMES = ("inf", "infinity")  # optax's and PyTorch's spellings
+ARRAY_LEAVES = (
+    "clipax takes trees of arrays (jax.Array, numpy.ndarray, NumPy scalars or "
+    "Python numbers); use None or optax.MaskedNode for empty leaves"
+)
+STATIC_HINT = (
+    "it must be known when the function is traced; under "
+    "`optax.inject_hyperparams`, name it in `static_args`"
+)
+INT32_MAX = 2**31 - 1  # counts meet the states' int32 counters
+PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+def is_traced(value: Any) -> bool:
+    """Whether `value` is an abstract value inside a JAX transformation."""
+    return isinstance(value, jax.core.Tracer)
+
+
+def short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def path_str(path: KeyPath) -> str:
+    """A key path as `jax.tree_util.keystr` writes it; `<root>` for ()."""
+    return jax.tree_util.keystr(path) if path else "<root>"
+
+
+def path_keys(path: KeyPath) -> list[str]:
+    """A key path as strings: dict keys, attribute names, sequence indices."""
+    out = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                out.append(str(getattr(key, attr)))
+                break
+        else:
+            out.append(str(key))
+    return out
+
+
+# Leaves.
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaves:
+    """A tree's leaves with their key paths, Python numbers as 0-d arrays.
+
+    None and `optax.MaskedNode` are no leaves: `rebuild` puts them back.
+    """
+
+    paths: list[KeyPath]
+    arrays: list[Any]
+    treedef: Any
+
+    def rebuild(self, arrays: Sequence[Any]) -> PyTree:
+        return jax.tree.unflatten(self.treedef, arrays)
+
+
+def leaves(tree: PyTree) -> Leaves:
+    """`tree`'s leaves, unchecked (Python numbers as 0-d JAX arrays)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    arrays = [jnp.asarray(x) if type(x) in PYTHON_NUMBERS else x for _, x in flat]
+    return Leaves([path for path, _ in flat], arrays, treedef)
+
+
+def _dtype(path: KeyPath, leaf: Any) -> np.dtype:
+    if not (hasattr(leaf, "dtype") and hasattr(leaf, "shape")):
+        raise TypeError(
+            f"The leaf at {path_str(path)} is a {type(leaf).__name__} "
+            f"({short_repr(leaf)}); {ARRAY_LEAVES}."
+        )
+    return np.dtype(leaf.dtype)
+
+
+def norm_leaf(path: KeyPath, leaf: Any, fn_name: str) -> None:
+    """A leaf that has a norm: float16 or wider, or complex.
+
+    Raises:
+      TypeError: naming the leaf, if it is not an array, or its dtype is
+        integer, bool, not numeric, or a float narrower than 16 bits.
+    """
+    dtype = _dtype(path, leaf)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(
+            f"`{fn_name}` takes norms of {NORM_DTYPES} leaves; the leaf at "
+            f"{path_str(path)} has dtype {dtype}. Cast it to a float dtype, or "
+            "leave it out of the clipped tree (None, optax.masked)."
+        )
+    if dtype.itemsize < 2 and not jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(  # float8, float4: no implicit promotion in JAX
+            f"`{fn_name}` takes norms of {NORM_DTYPES} leaves; the leaf at "
+            f"{path_str(path)} has dtype {dtype}, which JAX does not promote to "
+            "float32 in arithmetic. Cast it (`x.astype(jnp.bfloat16)`), or "
+            "leave it out of the clipped tree (None, optax.masked)."
+        )
+
+
+def norm_leaves(tree: PyTree, fn_name: str) -> Leaves:
+    """`tree`'s leaves, each checked by `norm_leaf`."""
+    out = leaves(tree)
+    for path, leaf in zip(out.paths, out.arrays, strict=True):
+        norm_leaf(path, leaf, fn_name)
+    return out
+
+
+def batched_leaves(tree: PyTree, fn_name: str) -> Leaves:
+    """`norm_leaves`, each with the batch on axis 0, of one size."""
+    out = norm_leaves(tree, fn_name)
+    batch = None
+    for path, leaf in zip(out.paths, out.arrays, strict=True):
+        shape = tuple(leaf.shape)
+        if batch is None and shape:
+            batch = shape[0]
+        if not shape or shape[0] != batch:
+            raise ValueError(
+                f"`{fn_name}` takes per-example gradients: every leaf must have "
+                "the same batch size on axis 0"
+                + (f" ({batch}, from the first leaf)" if batch is not None else "")
+                + f"; the leaf at {path_str(path)} has shape {shape}."
+            )
+    return out
+
+
+def value_leaves(tree: PyTree, fn_name: str) -> Leaves:
+    """`tree`'s leaves, each a real integer or floating array."""
+    out = leaves(tree)
+    for path, leaf in zip(out.paths, out.arrays, strict=True):
+        dtype = _dtype(path, leaf)
+        if not (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        ):
+            raise TypeError(
+                f"`{fn_name}` clamps real integer or floating-point leaves; the "
+                f"leaf at {path_str(path)} has dtype {dtype}, which has no order "
+                "to clamp in."
+            )
+    return out
+
+
+def params_of(updates: PyTree, params: PyTree, fn_name: str) -> list[Any]:
+    """The parameter beside each update leaf, checked by `norm_leaf`; where an
+    update leaf is None or `optax.MaskedNode`, the parameter is not read.
+
+    Raises:
+      ValueError: if `params` is None, or a parameter's shape is not its
+        update's.
+      TypeError: if a parameter is not a float array.
+    """
+    if params is None:
+        raise ValueError(
+            f"`{fn_name}` clips each update against the norm of its parameter, "
+            "so `update` needs `params`; got params=None. Call "
+            "`tx.update(updates, state, params)`."
+        )
+
+    def empty(x: Any) -> bool:
+        return x is None or isinstance(x, optax.MaskedNode)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=empty)
+    out = []
+    weights = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
+    for (path, g), w in zip(flat, weights, strict=True):
+        if empty(g):
+            continue
+        w = jnp.asarray(w) if type(w) in PYTHON_NUMBERS else w
+        if np.shape(w) != np.shape(g) or not hasattr(w, "dtype"):
+            raise ValueError(
+                f"`{fn_name}` needs a parameter of the update's shape "
+                f"{np.shape(g)} at {path_str(path)}; got "
+                f"{getattr(w, 'shape', w)!r}."
+            )
+        norm_leaf(path, w, fn_name)
+        out.append(w)
+    return out
+
+
+# Numbers.
+
+
+def int_as_float(value: int) -> float:
+    """A Python int as the nearest float64; +-inf past float64's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def real_array(name: str, value: Any, accepted: str) -> np.ndarray:
+    """A concrete real `value` as a float64 NumPy array.
+
+    Raises:
+      TypeError: naming `name`, if `value` is not a real number or array.
+    """
+    if value is None or isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"`{name}` must be {accepted}; got {value!r}.")
+    if isinstance(value, int):  # any size: 2**70 is an object array to NumPy
+        return np.asarray(int_as_float(value))
+    try:
+        array = np.asarray(value)
+    except Exception as error:  # anything NumPy cannot read as an array
+        raise TypeError(
+            f"`{name}` must be {accepted}; got {short_repr(value)} of type "
+            f"{type(value).__name__}."
+        ) from error
+    numeric = jnp.issubdtype(array.dtype, jnp.floating) or jnp.issubdtype(
+        array.dtype, jnp.integer
+    )
+    if not numeric or array.dtype == np.bool_:
+        raise TypeError(
+            f"`{name}` must be {accepted}; got {short_repr(value)} with dtype "
+            f"{array.dtype}."
+        )
+    return array.astype(np.float64)
+
+
+def scalar(
+    name: str,
+    value: Any,
+    accepted: str,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """A real scalar in [low, high] (either end open); a traced one passes.
+
+    Raises:
+      TypeError: if `value` is not real (`real_array`).
+      ValueError: naming `name` and showing the value (or an array's shape),
+        if it is not a scalar, is NaN, or lies outside the bounds.
+    """
+    if is_traced(value):
+        return
+    array = real_array(name, value, accepted)
+    if array.ndim != 0:
+        raise ValueError(
+            f"`{name}` must be {accepted}; got an array of shape {array.shape}."
+        )
+    above = array > low if low_open else array >= low
+    below = array < high if high_open else array <= high
+    if not (above and below):  # NaN is neither
+        raise ValueError(f"`{name}` must be {accepted}; got {short_repr(value)}.")
+
+
+def scalar_array(name: str, value: Any) -> jax.Array:
+    """A 0-d array (of data: its value is not checked)."""
+    array = jnp.asarray(value)
+    if array.shape != ():
+        raise ValueError(
+            f"`{name}` must be a scalar; got an array of shape {array.shape}."
+        )
+    return array
+
+
+def threshold(name: str, value: Any) -> None:
+    """A norm threshold: a positive scalar, inf allowed."""
+    accepted = f"a positive scalar ({THRESHOLD_TYPES}); inf means no clipping"
+    scalar(name, value, accepted, low=0, low_open=True)
+
+
+def nonnegative(name: str, value: Any, accepted: str) -> None:
+    """A scalar >= 0, inf allowed."""
+    scalar(name, value, f"{accepted} ({THRESHOLD_TYPES})", low=0)
+
+
+def open_unit(name: str, value: Any) -> None:
+    """A real number strictly between 0 and 1."""
+    accepted = "a real number strictly between 0 and 1"
+    scalar(name, value, accepted, low=0, high=1, low_open=True, high_open=True)
+
+
+def positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
+    """A real number > 0, finite unless `inf_ok`."""
+    accepted = "a real number > 0 or inf" if inf_ok else "a finite real number > 0"
+    scalar(name, value, accepted, low=0, low_open=True, high_open=not inf_ok)
+
+
+def count(name: str, value: Any, minimum: int = 1, *, traced_ok: bool = False) -> Any:
+    """An int in [`minimum`, 2**31 - 1] (a Python or NumPy int, or a concrete
+    0-d integer array), returned as an int; a traced value is returned as it
+    is when `traced_ok` (a count that is only compared with).
+
+    Raises:
+      TypeError: if `value` is traced and not `traced_ok` (it sets a shape).
+      ValueError: if `value` is not such an int.
+    """
+    if is_traced(value):
+        if traced_ok:
+            return value
+        raise TypeError(f"`{name}` got a traced value; {STATIC_HINT}.")
+    if (
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.integer)
+    ):
+        value = int(value)
+    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not valid or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}; got {value!r}.")
+    if value > INT32_MAX:
+        raise ValueError(
+            f"`{name}` must be an int <= {INT32_MAX} (2**31 - 1, the limit of the "
+            f"int32 step counters); got {value!r}."
+        )
+    return int(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """True or False (a Python or NumPy bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be True or False; got {short_repr(value)}.")
+    return bool(value)
+
+
+def order(value: Any) -> float:
+    """A norm's order as a float p >= 1 (inf allowed; None means 2).
+
+    The strings `"inf"` and `"infinity"` (any case) mean inf, as in
+    `optax.tree.norm` and PyTorch's `norm_type`.
+
+    Raises:
+      TypeError: if `value` is traced.
+      ValueError: if `value` is not accepted.
+    """
+    if value is None:
+        return 2.0
+    if isinstance(value, str) and value.lower() in ORD_INF_NAMES:
+        return math.inf
+    if is_traced(value):
+        raise TypeError(f"`ord` got a traced value; {STATIC_HINT}.")
+    real_array_value = (
+        isinstance(value, (jax.Array, np.ndarray))
+        and value.ndim == 0
+        and (
+            jnp.issubdtype(value.dtype, jnp.floating)
+            or jnp.issubdtype(value.dtype, jnp.integer)
+        )
+    )
+    real_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    p = float(value) if real_number or real_array_value else math.nan
+    if math.isnan(p) or p < 1:
+        raise ValueError(f"`ord` must be {ORD_ACCEPTED}; got {short_repr(value)}.")
+    return p
+
+
+def axes(value: Any, name: str = "axes") -> tuple[int, ...] | None:
+    """`value` as a tuple of distinct ints, or None (all axes).
+
+    Raises:
+      TypeError: if `value` is traced.
+      ValueError: if it is not None, an int or a sequence of distinct ints.
+    """
+    if value is None:
+        return None
+    if is_traced(value):
+        raise TypeError(f"`{name}` got a traced value; {STATIC_HINT}.")
+    accepted = "None, an int, or a sequence of distinct ints"
+    if isinstance(value, (jax.Array, np.ndarray)):  # from inject_hyperparams
+        if value.ndim > 1 or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise ValueError(f"`{name}` must be {accepted}; got {short_repr(value)}.")
+        value = tuple(int(a) for a in np.asarray(value).reshape(-1))
+    items = (value,) if isinstance(value, numbers.Integral) else value
+    try:
+        items = tuple(items)
+    except TypeError as error:
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.") from error
+    if not all(
+        isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in items
+    ):
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    items = tuple(int(a) for a in items)
+    if len(set(items)) != len(items):
+        raise ValueError(
+            f"`{name}` must be {accepted}; got repeated axes in {value!r}."
+        )
+    return items
+
+
+def leaf_axes(
+    axes: tuple[int, ...] | None,
+    path: KeyPath,
+    shape: tuple[int, ...],
+    name: str = "axes",
+) -> tuple[int, ...]:
+    """`axes` resolved for one leaf of `shape` (all its axes for None).
+
+    Raises:
+      ValueError: naming the leaf and its shape, if an axis is out of range or
+        two name the same axis.
+    """
+    ndim = len(shape)
+    if axes is None:
+        return tuple(range(ndim))
+    if any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(
+            f"`{name}`={axes} is out of range for the leaf at {path_str(path)} "
+            f"with shape {shape} (rank {ndim})."
+        )
+    resolved = tuple(a % ndim for a in axes)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(
+            f"`{name}`={axes} names the same axis twice for the leaf at "
+            f"{path_str(path)} with shape {shape}."
+        )
+    return resolved
+
+
+def each_leaf_axes(
+    axes: tuple[int, ...] | None, leaves: Leaves
+) -> list[tuple[int, ...]]:
+    """`leaf_axes` for each of `leaves`."""
+    return [
+        leaf_axes(axes, path, x.shape)
+        for path, x in zip(leaves.paths, leaves.arrays, strict=True)
+    ]
+
+
+def axis_name(value: Any) -> tuple[str, ...]:
+    """A mesh-axis name, or a sequence of them, as a tuple; () for None."""
+    if value is None:
+        return ()
+    names: tuple[Any, ...] = ()
+    if isinstance(value, str):
+        names = (value,)
+    elif isinstance(value, (tuple, list)):
+        names = tuple(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            "`axis_name` must be None, a mesh-axis name, or a sequence of names; "
+            f"got {value!r}."
+        )
+    return names
+
+
+def axes_and_axis_name(
+    axes_value: Any, axis_name_value: Any
+) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """`axes` and `axis_name`, which cannot be given together."""
+    resolved, names = axes(axes_value), axis_name(axis_name_value)
+    if names and resolved is not None:
+        raise ValueError(
+            f"`axis_name` cannot be combined with `axes`={resolved}: it says "
+            "that every leaf is split, but not along which dimension; give "
+            "`specs` instead."
+        )
+    return resolved, names
+
+
+def key_paths(name: str, value: Any, separator: str) -> list[str]:
+    """A sequence of non-empty `separator`-joined key paths."""
+    accepted = f"a sequence of non-empty {separator!r}-separated key paths"
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    if not all(isinstance(p, str) and p.strip(separator) for p in value):
+        raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
+    return list(value)
+
+
+def choice(name: str, value: Any, options: Sequence[str]) -> str:
+    """One of the strings `options`."""
+    if not isinstance(value, str) or value not in options:
+        spelled = " or ".join(f'"{o}"' for o in options)
+        raise ValueError(f"`{name}` must be {spelled}; got {value!r}.")
+    return value
+
+
+def unused(value: Any, default: Any, message: str) -> None:
+    """An argument that means nothing with the others given keeps its default
+    (a traced value is not checked); `message` has a `{value}` field."""
+    if not is_traced(value) and np.any(np.asarray(value) != default):
+        raise ValueError(message.format(value=short_repr(value)))
+
+
+def nonfinite(value: Any, modes: tuple[Any, ...]) -> Any:
+    """The mode `value` names, one of `modes`; True and False (PyTorch's
+    `error_if_nonfinite`) are `"error"` and `modes[0]`."""
+    if value is True or value is False:
+        value = "error" if value else modes[0]
+    if not (value is None or isinstance(value, str)) or value not in modes:
+        raise ValueError(
+            f"`nonfinite` must be one of {modes}, or a bool as PyTorch's "
+            f"`error_if_nonfinite` (True is 'error', False {modes[0]!r}); got "
+            f"{short_repr(value)}."
+        )
+    return value
+
+
+def bounds(min_value: Any, max_value: Any) -> None:
+    """Value-clipping bounds: real scalars or arrays, min <= max where concrete."""
+    accepted = f"{THRESHOLD_TYPES}, or an array that broadcasts to the leaves"
+    arrays = {}
+    for name, value in (("min_value", min_value), ("max_value", max_value)):
+        if is_traced(value):
+            continue
+        array = real_array(name, value, accepted)
+        if np.isnan(array).any():
+            raise ValueError(f"`{name}` must not be NaN; got {short_repr(value)}.")
+        arrays[name] = array
+    if len(arrays) == 2:
+        low, high = arrays["min_value"], arrays["max_value"]
+        try:
+            crossed = bool(np.any(low > high))
+        except ValueError as error:  # shapes that do not broadcast together
+            raise ValueError(
+                f"`min_value` (shape {low.shape}) and `max_value` (shape "
+                f"{high.shape}) must broadcast together."
+            ) from error
+        if crossed:
+            raise ValueError(
+                "`min_value` must be <= `max_value`; got min_value="
+                f"{short_repr(min_value)} and max_value={short_repr(max_value)}."
+            )
+
+
+def transformation(name: str, value: Any) -> None:
+    """An `optax.GradientTransformation` (anything with `init` and `update`)."""
+    if not (
+        callable(getattr(value, "init", None))
+        and callable(getattr(value, "update", None))
+    ):
+        raise TypeError(
+            f"`{name}` must be an optax.GradientTransformation; got "
+            f"{type(value).__name__}."
+        )
+
+
+# Peers' names.
+
+# What each ignored argument is, for the message of a wrong value.
+IGNORED = {
+    "name": "TensorFlow's name for the operation",
+    "foreach": "PyTorch's choice of kernels",
+}
+
+
+def ignored(fn_name: str, name: str, value: Any) -> None:
+    """An argument clipax ignores must still be what a peer takes there:
+    TensorFlow's `name` (a string) or PyTorch's `foreach` (a bool); one
+    peer's position may be another's, so either kind is accepted."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    raise TypeError(
+        f"`{fn_name}` ignores `{name}` ({IGNORED[name]}, which means nothing in "
+        f"JAX) but takes only None, a bool or a string there; got "
+        f"{short_repr(value)} of type {type(value).__name__}."
+    )
+
+
+def peer_names(
+    fn_name: str,
+    aliases: Mapping[str, str] | None = None,
+    ignored_names: Sequence[str] = (),
+) -> Callable[[F], F]:
+    """Makes the public function `fn_name` take its peers' argument names.
+
+    Args:
+      fn_name: the public name, for messages (`"clipax.tree.clip_by_norm"`).
+      aliases: each peer's name for a parameter, mapped to the parameter's
+        name. By keyword, an alias is passed on as the parameter; given with
+        the parameter (or another alias of it), it is a `TypeError`.
+      ignored_names: the peers' arguments the function ignores (keys of
+        `IGNORED`): a parameter of the function stays one, which the function
+        ignores; the others are accepted by keyword and dropped. Either way
+        the value is checked (`ignored`).
+
+    Returns:
+      A decorator; the function keeps its signature (`inspect.signature`, and
+      so `optax.inject_hyperparams`, sees it).
+    """
+    aliases = dict(aliases or {})
+
+    def decorate(fn: F) -> F:
+        parameters = inspect.signature(fn).parameters
+        positions = {
+            name: index
+            for index, (name, p) in enumerate(parameters.items())
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        }
+        in_signature = [(n, positions[n]) for n in ignored_names if n in positions]
+        dropped = [n for n in ignored_names if n not in parameters]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for alias in [a for a in aliases if a in kwargs]:
+                own = aliases[alias]
+                given = [n for n, o in aliases.items() if o == own and n in kwargs]
+                if own in kwargs or positions.get(own, len(args)) < len(args):
+                    given.insert(0, own)
+                if len(given) > 1:
+                    names = " and ".join(f"`{n}`" for n in given)
+                    raise TypeError(
+                        f"`{fn_name}` got {names}, which name the same argument "
+                        f"(`{own}`); pass one of them."
+                    )
+                kwargs[own] = kwargs.pop(alias)
+            for name in dropped:
+                if name in kwargs:
+                    ignored(fn_name, name, kwargs.pop(name))
+            for name, index in in_signature:
+                ignored(
+                    fn_name,
+                    name,
+                    args[index] if index < len(args) else kwargs.get(name),
+                )
+            return fn(*args, **kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate
