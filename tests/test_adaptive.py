@@ -16,7 +16,7 @@ import pytest
 
 import clipax
 from clipax import _adaptive, _checks, _engine, _states
-from clipax._adagc import adagc_rule
+from clipax._adagc import adagc_rule, adagc_shared
 from clipax._autoclip import autoclip_rule
 from clipax._zclip import EPS, zclip_rule
 from tests.helpers import spike_norms, state_after_compiled_steps
@@ -81,14 +81,15 @@ def test_adagc_rule_is_the_papers_formula():
     """Wang et al., eqs. 6-7: h_i = min(1, lambda_rel gamma_i / |g_i|),
     gamma_i <- beta gamma_i + (1 - beta) |h_i g_i|; warm-up: GlobalGC at
     lambda_abs, gamma_i = min of the clipped norms."""
-    rule = functools.partial(
-        adagc_rule, max_norm=2.0, clip_ratio=1.04, alpha=0.9, warmup_steps=2
-    )
+    rule = functools.partial(adagc_rule, clip_ratio=1.04, alpha=0.9)
     inf = math.inf
 
     def step(state, norms, count):
+        # The rule on a vector of norms: each entry is one tensor's step.
+        state = state._replace(count=jnp.int32(count))
         total = _engine.norm_of_norms(norms)
-        return rule(state._replace(count=jnp.int32(count)), norms, total)
+        shared = adagc_shared(state, total, max_norm=2.0, warmup_steps=2)
+        return rule(state, norms, shared)
 
     state = clipax.AdaGCState(
         ema=jnp.full(3, inf), count=jnp.int32(0), norm=0, norms=0, thresholds=0
@@ -173,9 +174,9 @@ class RunningMaxState(NamedTuple):
     thresholds: chex.ArrayTree
 
 
-def running_max_rule(state, norms, total):
-    del total
-    peak = jnp.maximum(state.peak, norms)
+def running_max_rule(state, norm, shared):
+    del shared
+    peak = jnp.maximum(state.peak, norm)
     return jnp.where(state.peak > 0, 0.5 * peak, jnp.inf), state._replace(peak=peak)
 
 
@@ -203,6 +204,7 @@ def running_max(**kwargs) -> optax.GradientTransformation:
     return _adaptive.tensor_rule(
         "running_max",
         running_max_init,
+        lambda state, total: None,
         running_max_rule,
         specs=kwargs.get("specs"),
         axis_name=(),

@@ -34,38 +34,48 @@ class AdaGCState(NamedTuple):
     # clipped to, or would have been (inf before the first step)
 
 
+class Shared(NamedTuple):
+    """What every tensor's AdaGC step reads, once per step."""
+
+    warming: jax.Array  # bool scalar: the step is in the warm-up
+    factor: jax.Array  # scalar: the warm-up's global clip factor
+
+
+def adagc_shared(
+    state: AdaGCState, total: jax.Array, *, max_norm: ArrayLike, warmup_steps: int
+) -> Shared:
+    return Shared(state.count < warmup_steps, _engine.clip_factor(total, max_norm))
+
+
 def adagc_rule(
     state: AdaGCState,
-    norms: jax.Array,
-    total: jax.Array,
+    norm: jax.Array,
+    shared: Shared,
     *,
-    max_norm: ArrayLike,
     clip_ratio: ArrayLike,
     alpha: ArrayLike,
-    warmup_steps: int,
 ) -> tuple[jax.Array, AdaGCState]:
-    """AdaGC's step for the vector of tensor `norms` and their global norm
-    `total` (docs/semantics.md, "AdaGC")."""
+    """AdaGC's step for one tensor's `norm` (docs/semantics.md, "AdaGC")."""
     ema = state.ema
     dtype = ema.dtype
     unseen = ema == np.inf
 
     # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
-    # nonzero clipped norm of each tensor.
-    warm_clipped = norms * _engine.clip_factor(total, max_norm)
+    # nonzero clipped norm of the tensor.
+    warm_clipped = norm * shared.factor
     warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(ema, warm_clipped), ema)
 
-    # After: each tensor clipped to `clip_ratio` times its EMA, which then
-    # follows the clipped norm; a tensor's first nonzero norm starts it.
-    previous = jnp.where(unseen, norms, ema)
+    # After: the tensor clipped to `clip_ratio` times its EMA, which then
+    # follows the clipped norm; the tensor's first nonzero norm starts it.
+    previous = jnp.where(unseen, norm, ema)
     limit = jnp.asarray(clip_ratio, dtype) * previous
     a = jnp.asarray(alpha, dtype)
-    ema_after = a * previous + (1 - a) * jnp.minimum(norms, limit)
-    ema_after = jnp.where(unseen & (norms == 0), ema, ema_after)
+    ema_after = a * previous + (1 - a) * jnp.minimum(norm, limit)
+    ema_after = jnp.where(unseen & (norm == 0), ema, ema_after)
 
-    warming = state.count < warmup_steps
-    threshold = jnp.where(warming, warm_clipped, limit)
-    return threshold, state._replace(ema=jnp.where(warming, warm_ema, ema_after))
+    threshold = jnp.where(shared.warming, warm_clipped, limit)
+    new_ema = jnp.where(shared.warming, warm_ema, ema_after)
+    return threshold, state._replace(ema=new_ema)
 
 
 def adagc(
@@ -136,13 +146,11 @@ def adagc(
             thresholds=per_tensor(jnp.inf),
         )
 
-    rule = functools.partial(
-        adagc_rule,
-        max_norm=max_norm,
-        clip_ratio=clip_ratio,
-        alpha=alpha,
-        warmup_steps=warmup,
-    )
     return _adaptive.tensor_rule(
-        "adagc", init, rule, specs=specs, axis_name=_checks.axis_name(axis_name)
+        "adagc",
+        init,
+        functools.partial(adagc_shared, max_norm=max_norm, warmup_steps=warmup),
+        functools.partial(adagc_rule, clip_ratio=clip_ratio, alpha=alpha),
+        specs=specs,
+        axis_name=_checks.axis_name(axis_name),
     )

@@ -1,18 +1,18 @@
 """The adaptive rules' transformations: a rule that learns its threshold.
 
-A rule is a pure function of its state and this step's norms:
+A rule is a pure function of its state and this step's norm:
 
-    GlobalRule: rule(state, norm) -> (threshold, state)             AutoClip, ZClip
-    TensorRule: rule(state, norms, total) -> (thresholds, state)    AdaGC
+    GlobalRule: rule(state, norm) -> (threshold, state)         AutoClip, ZClip
+    TensorRule: rule(state, norm, shared) -> (threshold, state)  AdaGC
 
 `state` is the rule's declared NamedTuple (`_states.declare`): its statistics
 and the fields every rule keeps, `count` (steps whose norms were all finite)
 and `norm` (the last global norm), with `threshold` for a global rule, or
 `norms` and `thresholds` (trees, one value per tensor) for a tensor rule. The
 rule returns the state with its statistics updated (`state._replace`). A
-tensor rule sees its per-tensor fields as vectors, one entry per tensor, with
-`norms` this step's and `total` their global norm: a few vector operations
-whatever the number of tensors.
+tensor rule runs once per tensor: its state's per-tensor fields hold that
+tensor's entries, and `shared` is what `shared(state, total)` computed once
+for the step from the global norm `total`.
 
 The transformations do the rest once: the norms (`_engine`, with `specs` /
 `axis_name` for sharded leaves), `count`, `norm` and the thresholds, the NaN
@@ -34,23 +34,33 @@ import optax
 from clipax import _checks, _engine, _placement, _states
 
 
+_R = TypeVar("_R", bound="RuleState")
+
+
 class RuleState(Protocol):
     """The fields every adaptive rule's state has."""
 
     count: jax.Array  # int32 scalar: steps whose norms were all finite
     norm: jax.Array  # scalar: the last update's pre-clip global norm
 
-    def _replace(self: S, **changes: Any) -> S: ...
+    def _replace(self: _R, **changes: Any) -> _R: ...
 
 
 class GlobalRuleState(RuleState, Protocol):
     threshold: jax.Array  # scalar: the last threshold (inf before any)
 
 
-S = TypeVar("S", bound=RuleState)
+class TensorRuleState(RuleState, Protocol):
+    norms: Any  # one pre-clip norm per tensor
+    thresholds: Any  # one threshold per tensor (inf before any)
+
+
+S = TypeVar("S", bound=TensorRuleState)
 G = TypeVar("G", bound=GlobalRuleState)
+H = TypeVar("H")
 GlobalRule = Callable[[G, jax.Array], tuple[jax.Array, G]]
-TensorRule = Callable[[S, jax.Array, jax.Array], tuple[jax.Array, S]]
+Shared = Callable[[S, jax.Array], H]
+TensorRule = Callable[[S, jax.Array, H], tuple[jax.Array, S]]
 
 
 def _kept(finite: jax.Array, new: Any, old: Any) -> Any:
@@ -101,15 +111,31 @@ def global_rule(
 def tensor_rule(
     fn_name: str,
     init: Callable[[Callable[[Any], Any], np.dtype], S],
-    rule: TensorRule[S],
+    shared: Shared[S, H],
+    rule: TensorRule[S, H],
     *,
     specs: Any,
     axis_name: tuple[str, ...],
 ) -> optax.GradientTransformation:
     """An Optax transformation that clips each leaf by its own norm to the
-    threshold `rule` gives it; `init(per_tensor, dtype)` is the state before
-    any step, `per_tensor(value)` a tree of the params' structure holding
-    `value` for each tensor."""
+    threshold `rule` gives it. `init(per_tensor, dtype)` is the state before
+    any step, `per_tensor(value)` the params' tree holding `value` for each
+    tensor."""
+
+    def tensor_step(
+        fields: tuple[str, ...], state: S, norm: jax.Array, values: H
+    ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """One tensor's rule, with the NaN rule, and its clip factor."""
+        threshold, stepped = rule(state, norm, values)
+        threshold = threshold.astype(norm.dtype)
+        finite = jnp.isfinite(norm)
+        new = {f: _kept(finite, getattr(stepped, f), getattr(state, f)) for f in fields}
+        new["thresholds"] = _kept(finite, threshold, state.thresholds)
+        new["norms"] = norm
+        return new, _engine.clip_factor(norm, threshold)
+
+    # Jitted, so that tensors of one shape share one trace (benchmarks/RESULTS.md).
+    step = jax.jit(tensor_step, static_argnums=0)
 
     def init_fn(params: optax.Params) -> S:
         leaves = _checks.norm_leaves(params, fn_name)
@@ -128,33 +154,35 @@ def tensor_rule(
         placements = _placement.leaf_placements(leaves, specs, axis_name)
         dtype = state.norm.dtype
         whole = [tuple(range(x.ndim)) for x in leaves.arrays]
-        norms = _vector(_engine.tensor_norms(leaves.arrays, whole, placements), dtype)
-        total = _engine.norm_of_norms(norms)
-        fields = _states.DECLARED[type(state)].per_tensor
-        vectors = {
-            f: _vector(jax.tree.leaves(getattr(state, f)), dtype) for f in fields
-        }
-        thresholds, stepped = rule(state._replace(**vectors), norms, total)
-        finite = jnp.isfinite(norms)
-        kept = {f: _kept(finite, getattr(stepped, f), vectors[f]) for f in fields}
-        kept["thresholds"] = _kept(
-            finite, thresholds.astype(dtype), vectors["thresholds"]
+        norms = [
+            n.astype(dtype)
+            for n in _engine.tensor_norms(leaves.arrays, whole, placements)
+        ]
+        stacked = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
+        total = _engine.norm_of_norms(stacked)
+        values = shared(state, total)
+        fields = tuple(_states.DECLARED[type(state)].per_tensor)
+        entries = zip(
+            *(jax.tree.leaves(getattr(state, f)) for f in fields), strict=True
         )
-        kept["norms"] = norms
-        new_state = stepped._replace(
-            **{f: leaves.rebuild(list(v)) for f, v in kept.items()},
-            count=_counted(jnp.all(finite), state.count),
+        steps = [
+            step(
+                fields,
+                state._replace(**dict(zip(fields, own, strict=True))),
+                norm,
+                values,
+            )
+            for norm, own in zip(norms, entries, strict=True)
+        ]
+        new_state = state._replace(
+            **{f: leaves.rebuild([new[f] for new, _ in steps]) for f in fields},
+            count=_counted(jnp.all(jnp.isfinite(stacked)), state.count),
             norm=total,
         )
-        factors = _engine.clip_factor(norms, thresholds.astype(dtype))
-        clipped = [_engine.scaled(x, factors[i]) for i, x in enumerate(leaves.arrays)]
+        clipped = [
+            _engine.scaled(x, factor)
+            for x, (_, factor) in zip(leaves.arrays, steps, strict=True)
+        ]
         return leaves.rebuild(clipped), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _vector(values: list[jax.Array], dtype: Any) -> jax.Array:
-    """One entry per tensor."""
-    if not values:
-        return jnp.zeros((0,), dtype)
-    return jnp.stack([jnp.asarray(v).astype(dtype) for v in values])
