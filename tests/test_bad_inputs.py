@@ -383,6 +383,147 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         TypeError,
         r"`squared` must be True or False; got 'yes'",
     ),
+    # A transformation given the tree its `clipax.tree` namesake takes.
+    (
+        "transformation called like the tree function",
+        lambda t: clipax.clip_by_global_norm(t, 1.0),
+        TypeError,
+        r"(?s)`clipax.clip_by_global_norm` makes an Optax transformation.*"
+        r"clipax.tree.clip_by_global_norm\(tree, max_norm\)",
+    ),
+    (
+        "clip_by_norm called like the tree function",
+        lambda t: clipax.clip_by_norm(t, 1.0),
+        TypeError,
+        r"(?s)clipax.tree.clip_by_norm\(tree, max_norm\)",
+    ),
+    (
+        "clip_by_value called like the tree function",
+        lambda t: clipax.clip_by_value(t, -1.0, 1.0),
+        TypeError,
+        r"(?s)`min_value` is a number; got a tree.*clipax.tree.clip_by_value",
+    ),
+    (
+        "clip called with a list of arrays",
+        lambda t: clipax.clip([t["w"], t["b"]]),
+        TypeError,
+        r"(?s)`clipax.clip` makes an Optax transformation.*clipax.tree.clip_by_value",
+    ),
+    # Updates that are not the tree a stateful rule was initialised with.
+    (
+        "adagc with an extra leaf",
+        lambda t: clipax.adagc().update({**t, "c": np.ones(2)}, clipax.adagc().init(t)),
+        ValueError,
+        r"`adagc` was initialised for another tree: the updates have a leaf at "
+        r"\['c'\] that the state holds no entry for",
+    ),
+    (
+        "adagc with a leaf missing",
+        lambda t: clipax.adagc().update({"w": t["w"]}, clipax.adagc().init(t)),
+        ValueError,
+        r"`adagc` was initialised for another tree: the updates have no leaf at "
+        r"\['b'\], which the state holds",
+    ),
+    (
+        "adagc with a renamed leaf",
+        lambda t: clipax.adagc().update(
+            {"w": t["w"], "v": t["b"]}, clipax.adagc().init(t)
+        ),
+        ValueError,
+        r"the updates have a leaf at \['v'\] where the state expected the leaf at "
+        r"\['b'\]",
+    ),
+    (
+        "adagc with a list for a dict",
+        lambda t: clipax.adagc().update([t["b"], t["w"]], clipax.adagc().init(t)),
+        ValueError,
+        r"the updates have a leaf at \[0\] where the state expected the leaf at "
+        r"\['b'\]",
+    ),
+    (
+        "clip_by_norm with an extra leaf",
+        lambda t: clipax.clip_by_norm(1.0).update(
+            {**t, "c": np.ones(2)}, clipax.clip_by_norm(1.0).init(t)
+        ),
+        ValueError,
+        r"`clip_by_norm` was initialised for another tree.*\['c'\]",
+    ),
+    # What is not an optimizer state, or a group that holds no leaf.
+    (
+        "metrics of a transformation",
+        lambda t: clipax.metrics(clipax.clip_by_global_norm(1.0)),
+        TypeError,
+        r"`clipax.metrics` takes an optimizer state.*a transformation",
+    ),
+    (
+        "metrics of a string",
+        lambda t: clipax.metrics("opt_state"),
+        TypeError,
+        r"`clipax.metrics` takes an optimizer state.*holds a str",
+    ),
+    (
+        "metrics of a number",
+        lambda t: clipax.metrics(3.0),
+        TypeError,
+        r"`clipax.metrics` takes an optimizer state.*holds a float",
+    ),
+    (
+        "metrics of the parameters",
+        lambda t: clipax.metrics(t),
+        TypeError,
+        r"`clipax.metrics` takes an optimizer state.*no optimizer state in it",
+    ),
+    (
+        "group_norms prefix matching no leaf",
+        lambda t: clipax.tree.group_norms(t, prefixes=["encoder"]),
+        ValueError,
+        r"`prefixes` entry 'encoder' matches no leaf of the tree, whose paths "
+        r"start with \['b', 'w'\]",
+    ),
+    # Stateless rules check the params at init.
+    (
+        "AGC int param at init",
+        lambda t: clipax.adaptive_grad_clip(0.1).init({**t, "i": np.arange(2)}),
+        TypeError,
+        r"`adaptive_grad_clip`.*\['i'\] has dtype int64",
+    ),
+    (
+        "block RMS int param at init",
+        lambda t: clipax.clip_by_block_rms(1.0).init({**t, "i": np.arange(2)}),
+        TypeError,
+        r"`clip_by_block_rms`.*\['i'\] has dtype int64",
+    ),
+    # Data (JAX arrays) where a number belongs: the dtype and shape are checked.
+    (
+        "max_norm a bool array",
+        lambda t: clipax.clip_by_global_norm(jnp.asarray(True)),
+        TypeError,
+        r"`max_norm` must be .*; got an array of dtype bool",
+    ),
+    (
+        "max_norm a vector array",
+        lambda t: clipax.tree.clip_by_norm(t, jnp.ones(2)),
+        ValueError,
+        r"`max_norm` must be .*; got an array of shape \(2,\)",
+    ),
+    (
+        "zclip unknown mode",
+        lambda t: clipax.zclip(mode="mad"),
+        ValueError,
+        r'`mode` must be "adaptive", "std", "zscore" or "percentile"; got \'mad\'',
+    ),
+    (
+        "zclip z_thresh with z_threshold",
+        lambda t: clipax.zclip(z_thresh=2.0, z_threshold=3.0),
+        TypeError,
+        r"`z_threshold` and `z_thresh`",
+    ),
+    (
+        "zclip max_grad_norm zero",
+        lambda t: clipax.zclip(max_grad_norm=0.0),
+        ValueError,
+        r"`max_grad_norm` must be a positive scalar",
+    ),
     (
         "global_norm nonfinite unknown",
         lambda t: clipax.tree.global_norm(t, nonfinite="zero"),

@@ -257,6 +257,36 @@ def test_options_match_the_packages_step(options, dtype):
     np.testing.assert_array_equal(zstate.count, np.cumsum(np.isfinite(norms)))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "zscore", "z_thresh": 2.0, "max_grad_norm": 2.5, "eps": 1e-6},
+        {"mode": "percentile", "z_thresh": 2.5, "max_grad_norm": 2.5},
+        {"mode": "zscore", "clip_option": "mean", "eps": 1e-3},
+    ],
+    ids=["zscore", "percentile", "mean-eps"],
+)
+def test_the_packages_call_as_written_matches_its_step(options):
+    # `ZClip(mode="zscore", z_thresh=..., max_grad_norm=..., eps=...)` as the
+    # package is called, by its names; one transformation, max_grad_norm in it.
+    norms = long_run_norms()
+    ref = ref_zclip_package(norms, **options)
+    assert ref["margin"].min() > 1e-4
+    _, outputs, states = run_scanned(clipax.zclip(**options), norms, "float32")
+    squares = [
+        np.sum(np.square(np.asarray(x, np.float64)), axis=tuple(range(1, x.ndim)))
+        for x in jax.tree.leaves(outputs)
+    ]
+    np.testing.assert_allclose(np.sqrt(sum(squares)), ref["clipped"], rtol=2e-5)
+    started = ~np.isnan(ref["mean"])
+    np.testing.assert_allclose(states.mean[started], ref["mean"][started], rtol=2e-5)
+    spikes = np.isfinite(ref["limit"])
+    ceiling = options.get("max_grad_norm", math.inf)
+    np.testing.assert_allclose(
+        states.threshold[spikes], np.minimum(ref["limit"][spikes], ceiling), rtol=2e-5
+    )
+
+
 @pytest.mark.parametrize("mode", ["adaptive", "std"])
 @pytest.mark.parametrize("warmup_steps", [1, 5, 25])
 @pytest.mark.parametrize(("alpha", "z_threshold"), [(0.97, 2.5), (0.9, 2.0)])
@@ -442,7 +472,11 @@ def test_init_rejects_integer_leaves():
         ({"warmup_steps": 0}, r"`warmup_steps` must be an int >= 1; got 0"),
         ({"warmup_steps": 2.5}, r"`warmup_steps`.*got 2.5"),
         ({"warmup_steps": 2**31}, r"`warmup_steps` must be an int <= 2147483647"),
-        ({"mode": "zscore"}, r'`mode` must be "adaptive" or "std"; got \'zscore\''),
+        (
+            {"mode": "median"},
+            r'`mode` must be "adaptive", "std", "zscore" or "percentile"; got '
+            r"'median'",
+        ),
         (
             {"clip_option": "median"},
             r'`clip_option` must be "adaptive_scaling" or "mean"; got \'median\'',

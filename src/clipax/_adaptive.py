@@ -33,7 +33,6 @@ import optax
 
 from clipax import _checks, _engine, _placement, _states
 
-
 _R = TypeVar("_R", bound="RuleState")
 
 
@@ -162,8 +161,13 @@ def tensor_rule(
         total = _engine.norm_of_norms(stacked)
         values = shared(state, total)
         fields = tuple(_states.DECLARED[type(state)].per_tensor)
+        shapes = [()] * len(norms)
         entries = zip(
-            *(jax.tree.leaves(getattr(state, f)) for f in fields), strict=True
+            *(
+                _checks.state_entries(fn_name, leaves, getattr(state, f), shapes)
+                for f in fields
+            ),
+            strict=True,
         )
         steps = [
             step(

@@ -31,17 +31,20 @@ def masked_percentile(values: jax.Array, n: jax.Array, q: ArrayLike) -> jax.Arra
     """`numpy.percentile(values[:n], q)` (linear method) for a traced `n` in
     [1, len(values)]: the entries from `n` on are set to +inf, the array is
     sorted, and the value at NumPy's rank `(n - 1) * q / 100` is interpolated
-    as NumPy's `_lerp` does (from the upper neighbour at a fraction >= 0.5)."""
+    as NumPy's `_lerp` does (from the upper neighbour at a fraction >= 0.5).
+    `q` is clamped to [0, 100]; a NaN `q` gives NaN."""
     dtype = values.dtype
+    q = jnp.clip(jnp.asarray(q, dtype), 0, 100)  # data: clamped, NaN stays
     valid = jnp.arange(values.shape[0]) < n
     ordered = jnp.sort(jnp.where(valid, values, jnp.inf))
-    rank = (n - 1).astype(dtype) * (jnp.asarray(q, dtype) / 100)
+    rank = (n - 1).astype(dtype) * (q / 100)
     below = jnp.clip(jnp.floor(rank).astype(jnp.int32), 0, n - 1)
     above = jnp.minimum(below + 1, n - 1)
     t = rank - below.astype(dtype)
     low, high = ordered[below], ordered[above]
     diff = high - low
-    return jnp.where(t >= 0.5, high - diff * (1 - t), low + diff * t)
+    value = jnp.where(t >= 0.5, high - diff * (1 - t), low + diff * t)
+    return jnp.where(jnp.isnan(q), jnp.nan, value)
 
 
 def autoclip_rule(

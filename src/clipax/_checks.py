@@ -14,7 +14,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeGuard, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +168,53 @@ def value_leaves(tree: PyTree, fn_name: str) -> Leaves:
     return out
 
 
+def state_entries(
+    fn_name: str, leaves: Leaves, state_tree: PyTree, shapes: Sequence[Any]
+) -> list[Any]:
+    """The entries of a per-tensor state tree, one per leaf of the updates,
+    checked to be those of the tree `init` was given: the same leaves (by
+    path) with entries of the `shapes` expected for them.
+
+    Raises:
+      ValueError: naming the first path that differs and what the state
+        expected there.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(state_tree)[0]
+    want = [path_str(path) for path, _ in flat]
+    got = [path_str(path) for path in leaves.paths]
+    if want != got:
+        i = next(
+            (i for i, (w, g) in enumerate(zip(want, got, strict=False)) if w != g),
+            min(len(want), len(got)),
+        )
+        w = want[i] if i < len(want) else None
+        g = got[i] if i < len(got) else None
+        if g is not None and g not in want and (w is None or w in got):
+            detail = f"the updates have a leaf at {g} that the state holds no entry for"
+        elif w is not None and w not in got and (g is None or g in want):
+            detail = f"the updates have no leaf at {w}, which the state holds"
+        else:
+            detail = (
+                f"the updates have a leaf at {g} where the state expected the "
+                f"leaf at {w}"
+            )
+        raise ValueError(
+            f"`{fn_name}` was initialised for another tree: {detail}. Its state "
+            "holds statistics for each leaf `init` was given; update it with "
+            "that tree, or `init` it again."
+        )
+    for (path, entry), x, shape in zip(flat, leaves.arrays, shapes, strict=True):
+        if np.shape(entry) != tuple(shape):
+            raise ValueError(
+                f"`{fn_name}` was initialised for another tree: the leaf at "
+                f"{path_str(path)} has shape {tuple(x.shape)}, and the state "
+                f"holds statistics of shape {np.shape(entry)} for it, where this "
+                f"shape needs {tuple(shape)}. Update it with the tree `init` "
+                "was given, or `init` it again."
+            )
+    return [entry for _, entry in flat]
+
+
 def params_of(updates: PyTree, params: PyTree, fn_name: str) -> list[Any]:
     """The parameter beside each update leaf, checked by `norm_leaf`; where an
     update leaf is None or `optax.MaskedNode`, the parameter is not read.
@@ -244,6 +291,29 @@ def real_array(name: str, value: Any, accepted: str) -> np.ndarray:
     return array.astype(np.float64)
 
 
+def is_data(value: Any) -> TypeGuard[jax.Array]:
+    """Whether `value` is a JAX array, traced or not: data, which the rules
+    take as it is (docs/semantics.md, "Thresholds"); a Python or NumPy value
+    is configuration, checked where it is given."""
+    return isinstance(value, jax.Array)
+
+
+def data(name: str, value: jax.Array, accepted: str, scalar: bool) -> None:
+    """A JAX array where a number belongs: a real dtype and, for a scalar, no
+    dimensions (both known when traced); its values are not read."""
+    if jnp.issubdtype(value.dtype, jnp.bool_) or not (
+        jnp.issubdtype(value.dtype, jnp.floating)
+        or jnp.issubdtype(value.dtype, jnp.integer)
+    ):
+        raise TypeError(
+            f"`{name}` must be {accepted}; got an array of dtype {value.dtype}."
+        )
+    if scalar and value.ndim != 0:
+        raise ValueError(
+            f"`{name}` must be {accepted}; got an array of shape {value.shape}."
+        )
+
+
 def scalar(
     name: str,
     value: Any,
@@ -254,14 +324,16 @@ def scalar(
     low_open: bool = False,
     high_open: bool = False,
 ) -> None:
-    """A real scalar in [low, high] (either end open); a traced one passes.
+    """A real scalar in [low, high] (either end open); a JAX array (data) is
+    checked for its dtype and shape only.
 
     Raises:
       TypeError: if `value` is not real (`real_array`).
       ValueError: naming `name` and showing the value (or an array's shape),
         if it is not a scalar, is NaN, or lies outside the bounds.
     """
-    if is_traced(value):
+    if is_data(value):
+        data(name, value, accepted, scalar=True)
         return
     array = real_array(name, value, accepted)
     if array.ndim != 0:
@@ -309,16 +381,17 @@ def positive(name: str, value: Any, *, inf_ok: bool = False) -> None:
 
 def count(name: str, value: Any, minimum: int = 1, *, traced_ok: bool = False) -> Any:
     """An int in [`minimum`, 2**31 - 1] (a Python or NumPy int, or a concrete
-    0-d integer array), returned as an int; a traced value is returned as it
-    is when `traced_ok` (a count that is only compared with).
+    0-d integer array), returned as an int; with `traced_ok` (a count that is
+    only compared with), a JAX array is data, returned as it is.
 
     Raises:
       TypeError: if `value` is traced and not `traced_ok` (it sets a shape).
       ValueError: if `value` is not such an int.
     """
+    if traced_ok and is_data(value):
+        data(name, value, f"an int >= {minimum}", scalar=True)
+        return value
     if is_traced(value):
-        if traced_ok:
-            return value
         raise TypeError(f"`{name}` got a traced value; {STATIC_HINT}.")
     if (
         isinstance(value, (jax.Array, np.ndarray))
@@ -491,15 +564,16 @@ def key_paths(name: str, value: Any, separator: str) -> list[str]:
 def choice(name: str, value: Any, options: Sequence[str]) -> str:
     """One of the strings `options`."""
     if not isinstance(value, str) or value not in options:
-        spelled = " or ".join(f'"{o}"' for o in options)
+        names = [f'"{o}"' for o in options]
+        spelled = ", ".join(names[:-1]) + f" or {names[-1]}"
         raise ValueError(f"`{name}` must be {spelled}; got {value!r}.")
     return value
 
 
 def unused(value: Any, default: Any, message: str) -> None:
     """An argument that means nothing with the others given keeps its default
-    (a traced value is not checked); `message` has a `{value}` field."""
-    if not is_traced(value) and np.any(np.asarray(value) != default):
+    (data is not read); `message` has a `{value}` field."""
+    if not is_data(value) and np.any(np.asarray(value) != default):
         raise ValueError(message.format(value=short_repr(value)))
 
 
@@ -522,7 +596,8 @@ def bounds(min_value: Any, max_value: Any) -> None:
     accepted = f"{THRESHOLD_TYPES}, or an array that broadcasts to the leaves"
     arrays = {}
     for name, value in (("min_value", min_value), ("max_value", max_value)):
-        if is_traced(value):
+        if is_data(value):
+            data(name, value, accepted, scalar=False)
             continue
         array = real_array(name, value, accepted)
         if np.isnan(array).any():
@@ -542,6 +617,20 @@ def bounds(min_value: Any, max_value: Any) -> None:
                 "`min_value` must be <= `max_value`; got min_value="
                 f"{short_repr(min_value)} and max_value={short_repr(max_value)}."
             )
+
+
+def not_a_tree(fn_name: str, name: str, value: Any, tree_call: str) -> None:
+    """A factory's number given a tree of arrays, as the function of the same
+    name in `clipax.tree` takes first: a `TypeError` that says so."""
+    if isinstance(value, Mapping) or (
+        not jax.tree_util.treedef_is_leaf(jax.tree.structure(value))
+        and any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(value))
+    ):
+        raise TypeError(
+            f"`{fn_name}` makes an Optax transformation, and its `{name}` "
+            f"is a number; got a tree ({short_repr(value)}). To clip a tree of "
+            f"gradients directly, call `{tree_call}`."
+        )
 
 
 def transformation(name: str, value: Any) -> None:
@@ -582,6 +671,7 @@ def peer_names(
     fn_name: str,
     aliases: Mapping[str, str] | None = None,
     ignored_names: Sequence[str] = (),
+    tree_call: str | None = None,
 ) -> Callable[[F], F]:
     """Makes the public function `fn_name` take its peers' argument names.
 
@@ -594,6 +684,9 @@ def peer_names(
         `IGNORED`): a parameter of the function stays one, which the function
         ignores; the others are accepted by keyword and dropped. Either way
         the value is checked (`ignored`).
+      tree_call: for a transformation named as a function of `clipax.tree`,
+        how to call that function: a tree given as the first argument is
+        then a `TypeError` that shows it (`not_a_tree`).
 
     Returns:
       A decorator; the function keeps its signature (`inspect.signature`, and
@@ -611,8 +704,12 @@ def peer_names(
         in_signature = [(n, positions[n]) for n in ignored_names if n in positions]
         dropped = [n for n in ignored_names if n not in parameters]
 
+        first = next(iter(parameters))
+
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if tree_call is not None and args:
+                not_a_tree(fn_name, first, args[0], tree_call)
             for alias in [a for a in aliases if a in kwargs]:
                 own = aliases[alias]
                 given = [n for n, o in aliases.items() if o == own and n in kwargs]

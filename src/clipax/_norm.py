@@ -20,7 +20,12 @@ class ClipByNormState(NamedTuple):
     norms: chex.ArrayTree  # the updates' tree with a float32 scalar per leaf
 
 
-@_checks.peer_names("clipax.clip_by_norm", {"clip_norm": "max_norm"}, ["name"])
+@_checks.peer_names(
+    "clipax.clip_by_norm",
+    {"clip_norm": "max_norm"},
+    ["name"],
+    tree_call="clipax.tree.clip_by_norm(tree, max_norm)",
+)
 def clip_by_norm(
     max_norm: ArrayLike,
     axes: Any = None,
@@ -85,8 +90,11 @@ def clip_by_norm(
         state: ClipByNormState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByNormState]:
-        del params, state
+        del params
         leaves = _checks.norm_leaves(updates, "clip_by_norm")
+        _checks.state_entries(
+            "clip_by_norm", leaves, state.norms, [()] * len(leaves.arrays)
+        )
         placements = _placement.leaf_placements(leaves, specs, names)
         clipped, norms = tree_norm.clip_leaves(
             leaves, max_norm, _checks.each_leaf_axes(axes, leaves), placements

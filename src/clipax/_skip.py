@@ -186,8 +186,8 @@ def skip_spikes(
         outlier = _outlier(
             norm, n, state.norm_mean, state.norm_variance, z_threshold, warmup_steps
         )
-        if max_norm is not None:
-            broken |= norm > jnp.asarray(max_norm).astype(dtype)
+        if max_norm is not None:  # a NaN `max_norm` skips every step
+            broken |= ~(norm <= jnp.asarray(max_norm).astype(dtype))
         if loss is not None:
             value = _checks.scalar_array("loss", loss).astype(dtype)
             broken |= ~jnp.isfinite(value)

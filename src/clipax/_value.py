@@ -6,6 +6,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.typing import ArrayLike
@@ -22,6 +23,7 @@ MAX_DELTA_ACCEPTED = (
     "clipax.clip_by_value",
     {"clip_value_min": "min_value", "clip_value_max": "max_value"},
     ["name"],
+    tree_call="clipax.tree.clip_by_value(tree, min_value, max_value)",
 )
 def clip_by_value(
     min_value: ArrayLike, max_value: ArrayLike, name: str | None = None
@@ -68,7 +70,12 @@ def clip_by_value(
     return optax.stateless(clip)
 
 
-@_checks.peer_names("clipax.clip", {"clip_value": "max_delta"}, ["foreach"])
+@_checks.peer_names(
+    "clipax.clip",
+    {"clip_value": "max_delta"},
+    ["foreach"],
+    tree_call="clipax.tree.clip_by_value(tree, -max_delta, max_delta)",
+)
 def clip(
     max_delta: ArrayLike, foreach: bool | None = None
 ) -> optax.GradientTransformation:
@@ -105,8 +112,11 @@ def clip(
       Array([-1. ,  0.5,  1. ], dtype=float32)
     """
     del foreach  # means nothing in JAX
-    if _checks.is_traced(max_delta):
-        return clip_by_value(-max_delta, max_delta)  # type: ignore[operator]
+    if _checks.is_data(max_delta):  # <= 0 zeroes every update; NaN gives NaN
+        _checks.data("max_delta", max_delta, MAX_DELTA_ACCEPTED, scalar=False)
+        bound = jnp.maximum(max_delta, 0)
+        signed = jnp.promote_types(bound.dtype, jnp.int8)
+        return clip_by_value(-bound.astype(signed), bound)
     arrays = (np.ndarray, np.generic, jax.Array)
     if max_delta is not None and not isinstance(max_delta, (numbers.Real, *arrays)):
         raise TypeError(  # a list, say: `-max_delta` would fail naming nothing

@@ -15,6 +15,13 @@ from clipax import _adaptive, _checks, _states
 from clipax._placement import AxisName
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
+# The modes by clipax's names and by the authors' package's.
+MODES = {
+    "adaptive": "adaptive",
+    "std": "std",
+    "zscore": "adaptive",
+    "percentile": "std",
+}
 
 
 @_states.declare("zclip", scalars=("mean", "variance", "count", "norm", "threshold"))
@@ -39,6 +46,8 @@ def zclip_rule(
     clip_option: str = "adaptive_scaling",
     clip_factor: ArrayLike = 1.0,
     skip_update_on_spike: bool = False,
+    eps: ArrayLike = EPS,
+    max_grad_norm: ArrayLike | None = None,
 ) -> tuple[jax.Array, ZClipState]:
     """ZClip's step (docs/semantics.md, "ZClip") for one global norm."""
     mean, variance, warm = state.mean, state.variance, state.warmup_norms
@@ -57,7 +66,7 @@ def zclip_rule(
 
     # After warmup: z-score test, clip, EMA of the clipped norm.
     std = jnp.sqrt(variance)
-    z = (norm - mean) / (std + EPS)
+    z = (norm - mean) / (std + eps)
     over = ~warming & (z > zt)
     safe_z = jnp.where(over, z, 1)
     if mode == "std":
@@ -66,7 +75,7 @@ def zclip_rule(
         limit = mean
     else:
         limit = mean + jnp.square(zt) / safe_z * std
-        if _checks.is_traced(clip_factor) or clip_factor != 1:
+        if _checks.is_data(clip_factor) or clip_factor != 1:
             limit = limit * jnp.asarray(clip_factor, dtype)
     seen = jnp.where(over, limit, norm)
     ema_mean = a * mean + (1 - a) * seen
@@ -77,8 +86,10 @@ def zclip_rule(
 
     # Not clipped: the norm above which it would have been (never below the
     # norm itself, whatever the rounding of the z-score test).
-    bound = jnp.maximum(mean + zt * (std + EPS), norm)
+    bound = jnp.maximum(mean + zt * (std + eps), norm)
     threshold = jnp.where(warming, jnp.inf, jnp.where(over, limit, bound))
+    if max_grad_norm is not None:  # a ceiling on the limit, also in warmup
+        threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
     return threshold, state._replace(
         mean=jnp.where(warming, jnp.where(ends_warmup, start_mean, 0), ema_mean),
         variance=jnp.where(warming, jnp.where(ends_warmup, start_var, 0), ema_var),
@@ -86,15 +97,18 @@ def zclip_rule(
     )
 
 
+@_checks.peer_names("clipax.zclip", {"z_thresh": "z_threshold"})
 def zclip(
     *,
     alpha: ArrayLike = 0.97,
     z_threshold: ArrayLike = 2.5,
     warmup_steps: int = 25,
-    mode: Literal["adaptive", "std"] = "adaptive",
+    mode: Literal["adaptive", "std", "zscore", "percentile"] = "adaptive",
     clip_option: Literal["adaptive_scaling", "mean"] = "adaptive_scaling",
     clip_factor: ArrayLike = 1.0,
     skip_update_on_spike: bool = False,
+    eps: ArrayLike = EPS,
+    max_grad_norm: ArrayLike | None = None,
     axis_name: AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -106,21 +120,28 @@ def zclip(
     `mean + z_threshold**2 / z * std` (mode `"adaptive"`, times
     `clip_factor`), to the mean (`clip_option="mean"`), or to
     `mean + z_threshold * std` (mode `"std"`), and the statistics follow the
-    clipped norm. It follows the authors' `zclip` package where the paper
-    leaves room; docs/semantics.md ("ZClip") gives the rule and the
-    differences, docs/porting.md maps the package's options.
+    clipped norm. It takes the call of the authors' `zclip` package's
+    `ZClip(...)` as written and follows its code where the paper leaves room:
+    docs/semantics.md ("ZClip") gives the rule and the differences,
+    docs/porting.md maps the options.
 
     Args:
       alpha: the EMA factor of the mean and variance, in (0, 1).
-      z_threshold: the z-score above which a norm is clipped, > 0.
+      z_threshold: the z-score above which a norm is clipped, > 0 (the
+        package's `z_thresh`).
       warmup_steps: how many first steps only record their norm, an int >= 1;
         it sets the state's shape.
-      mode: `"adaptive"` (default) or `"std"`, the limit clipped to.
+      mode: `"adaptive"` (default; the package's `"zscore"`) or `"std"` (its
+        `"percentile"`), the limit clipped to.
       clip_option: in mode `"adaptive"`: `"adaptive_scaling"` (default) or
         `"mean"`.
       clip_factor: a multiplier on the adaptive-scaling limit, > 0.
       skip_update_on_spike: whether a spike leaves the statistics as they
         were, rather than feeding them its limit.
+      eps: added to the standard deviation in the z-score, > 0.
+      max_grad_norm: None (default; the package's default is 1.0), or a
+        global norm no update exceeds, in warmup too; the statistics follow
+        the adaptive limit.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates.
@@ -152,9 +173,9 @@ def zclip(
     _checks.open_unit("alpha", alpha)
     _checks.positive("z_threshold", z_threshold)
     warmup = _checks.count("warmup_steps", warmup_steps)
-    _checks.choice("mode", mode, ("adaptive", "std"))
+    rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
     _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    if mode == "std":
+    if rule_mode == "std":
         _checks.unused(
             clip_option,
             "adaptive_scaling",
@@ -165,7 +186,7 @@ def zclip(
             "it out).",
         )
     _checks.positive("clip_factor", clip_factor)
-    if mode != "adaptive" or clip_option != "adaptive_scaling":
+    if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
         _checks.unused(
             clip_factor,
             1.0,
@@ -175,6 +196,9 @@ def zclip(
             f"clip_option={clip_option!r}.",
         )
     skip = _checks.flag("skip_update_on_spike", skip_update_on_spike)
+    _checks.positive("eps", eps)
+    if max_grad_norm is not None:
+        _checks.threshold("max_grad_norm", max_grad_norm)
 
     def init(dtype: np.dtype) -> ZClipState:
         zero = jnp.zeros((), dtype)
@@ -191,10 +215,12 @@ def zclip(
         zclip_rule,
         alpha=alpha,
         z_threshold=z_threshold,
-        mode=mode,
+        mode=rule_mode,
         clip_option=clip_option,
         clip_factor=clip_factor,
         skip_update_on_spike=skip,
+        eps=eps,
+        max_grad_norm=max_grad_norm,
     )
     return _adaptive.global_rule(
         "zclip", init, rule, p=2.0, specs=specs, axis_name=_checks.axis_name(axis_name)

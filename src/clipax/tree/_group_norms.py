@@ -131,6 +131,16 @@ def group_norms(
                 f"so that it holds no {SEPARATOR!r}."
             )
         groups.setdefault(name, []).append(i)
+    for q in wanted or []:
+        if not any(tuple(_checks.path_keys(path)[: len(q)]) == q for path, _ in flat):
+            tops = sorted(
+                {SEPARATOR.join(_checks.path_keys(path)[:1]) for path, _ in flat}
+            )
+            raise ValueError(
+                f"`prefixes` entry {SEPARATOR.join(q)!r} matches no leaf of the "
+                f"tree, whose paths start with {tops}: a logger would never see "
+                "its norm."
+            )
     out = {}
     head = f"{key_prefix}{SEPARATOR}" if key_prefix else ""
     for name, members in groups.items():

@@ -22,16 +22,17 @@ def _check_integer_bound(
     """A bound for an integer leaf: whole numbers (or +-inf), never rounded.
 
     Raises:
-      ValueError: for a concrete bound with a fractional part.
-      TypeError: for a traced bound of a floating dtype, which cannot be
-        checked.
+      ValueError: for a Python or NumPy bound with a fractional part.
+      TypeError: for a JAX array bound of a floating dtype (data, traced or
+        not, whose values are not read).
     """
-    if _checks.is_traced(bound):
-        if not jnp.issubdtype(bound.dtype, jnp.integer):  # type: ignore[union-attr]
+    if _checks.is_data(bound):
+        if not jnp.issubdtype(bound.dtype, jnp.integer):
+            kind = "traced " if _checks.is_traced(bound) else ""
             raise TypeError(
-                f"`{name}` is a traced {bound.dtype} value and the leaf at {path} "  # type: ignore[union-attr]
-                f"has dtype {dtype}: {INTEGER_BOUND}, which a traced float cannot "
-                "be checked to be. Pass an integer-dtype bound, or cast the leaf "
+                f"`{name}` is a {kind}{bound.dtype} array and the leaf at {path} "
+                f"has dtype {dtype}: {INTEGER_BOUND}, which a float array is not "
+                "checked to be. Pass an integer-dtype bound, or cast the leaf "
                 "to a float dtype."
             )
         return
@@ -113,8 +114,8 @@ def _bound_for(bound: ArrayLike, dtype: np.dtype, lower: bool) -> ArrayLike:
     so no value passes through JAX's default dtypes (with x64 off,
     `jnp.asarray(np.int64(2**40))` wraps to 0, 2**31 overflows int32 and
     16777217.0 rounds to float32's 16777216)."""
-    if _checks.is_traced(bound):
-        return _traced_bound(bound, dtype)  # type: ignore[arg-type]
+    if _checks.is_data(bound):
+        return _traced_bound(bound, dtype)
     if jnp.issubdtype(dtype, jnp.integer):
         return _integer_bound(bound, dtype, lower)
     return _float_bound(bound, dtype)
