@@ -206,6 +206,7 @@ def running_max(**kwargs) -> optax.GradientTransformation:
         running_max_init,
         lambda state, total: None,
         running_max_rule,
+        stacked=kwargs.get("stacked"),
         specs=kwargs.get("specs"),
         axis_name=(),
     )

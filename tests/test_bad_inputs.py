@@ -524,6 +524,80 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         ValueError,
         r"`max_grad_norm` must be a positive scalar",
     ),
+    # `stacked`: a prefix of the updates, an int from 0 to each leaf's rank.
+    (
+        "stacked not a prefix: a leaf without an entry",
+        lambda t: clipax.adagc(stacked={"w": 1}).init(t),
+        ValueError,
+        r"`stacked` has no entry for the leaf at \['b'\] \(shape \(3,\)\)",
+    ),
+    (
+        "stacked not a prefix: an entry without a node",
+        lambda t: clipax.clip_by_norm(1.0, stacked={"w": 1, "b": 0, "c": 1}).init(t),
+        ValueError,
+        r"`stacked` holds an entry at \['c'\], where the updates have no node",
+    ),
+    (
+        "stacked negative",
+        lambda t: clipax.clip_by_block_rms(1.0, stacked={"w": -1, "b": 0}).init(t),
+        ValueError,
+        r"`stacked` gives -1 stacked axes to the leaf at \['w'\] with shape \(2, 3\)",
+    ),
+    (
+        "stacked more axes than the leaf has",
+        lambda t: clipax.adaptive_grad_clip(0.1, stacked={"w": 1, "b": 2}).init(t),
+        ValueError,
+        r"`stacked` gives 2 stacked axes to the leaf at \['b'\] with shape \(3,\): "
+        r"an int from 0 to its rank, 1",
+    ),
+    (
+        "stacked not an int",
+        lambda t: clipax.tree.clip_by_norm(t, 1.0, stacked={"w": "layers", "b": 0}),
+        TypeError,
+        r"`stacked` must be .*; for the leaf at \['w'\] it holds 'layers'",
+    ),
+    (
+        "stacked callable giving a bool",
+        lambda t: clipax.tree.group_norms(t, stacked=lambda u: {"w": True, "b": 0}),
+        TypeError,
+        r"for the leaf at \['w'\] it holds True",
+    ),
+    (
+        "stacked with axis_name",
+        lambda t: clipax.adagc(stacked={"w": 1, "b": 0}, axis_name="d"),
+        ValueError,
+        r"`axis_name` cannot be combined with `stacked`",
+    ),
+    (
+        "stacked per-example: the batch axis is not a layer axis",
+        lambda t: clipax.tree.per_example_layer_norm_clip(
+            {"w": t["w"]}, 1.0, stacked={"w": 2}
+        ),
+        ValueError,
+        r"whose first axis is the batch: at most 1",
+    ),
+    (
+        "stacked updates with another number of layers",
+        lambda t: clipax.adagc(stacked={"w": 1, "b": 0}).update(
+            {"w": np.ones((4, 3)), "b": t["b"]},
+            clipax.adagc(stacked={"w": 1, "b": 0}).init(t),
+        ),
+        ValueError,
+        r"the leaf at \['w'\] has shape \(4, 3\), and the state holds statistics "
+        r"of shape \(2,\) for it, where this shape needs \(4,\)",
+    ),
+    (
+        "stacked_prefix without a mode",
+        lambda t: clipax.stacked_prefix(t),
+        ValueError,
+        r"Give `axis_name` or `path`",
+    ),
+    (
+        "stacked_prefix path not a pattern",
+        lambda t: clipax.stacked_prefix(t, path="blocks/["),
+        ValueError,
+        r"`path` must be a regular expression; got 'blocks/\['",
+    ),
     (
         "global_norm nonfinite unknown",
         lambda t: clipax.tree.global_norm(t, nonfinite="zero"),

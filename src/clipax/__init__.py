@@ -2,9 +2,9 @@
 
 Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
 ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations
-and as pure functions on pytrees in `clipax.tree`; norms accumulated in float32
-(global norms exact at its extremes), jit- and sharding-ready, with the pre-clip
-norm and the clipping statistics in opt_state.
+and as pure functions on pytrees in `clipax.tree`; norms accumulated in float32,
+jit- and sharding-ready, per layer of stacked (scanned) models, with the
+pre-clip norm and the clipping statistics in opt_state.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -26,6 +26,8 @@ from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
+from clipax._stacked import stacked_prefix as stacked_prefix
+from clipax._states import StackedStats as StackedStats
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
 from clipax._zclip import ZClipState as ZClipState
@@ -43,6 +45,7 @@ __all__ = [
     "ClipByNormState",
     "NonFiniteError",
     "SkipSpikesState",
+    "StackedStats",
     "ZClipState",
     "__version__",
     "adagc",
@@ -57,6 +60,7 @@ __all__ = [
     "migrate_state",
     "nonfinite_errors",
     "skip_spikes",
+    "stacked_prefix",
     "tree",
     "zclip",
 ]

@@ -26,7 +26,8 @@ class AdaGCState(NamedTuple):
     """State of `adagc`: each tensor's EMA and what the last update saw."""
 
     ema: chex.ArrayTree  # the updates' tree, a float32 scalar per tensor
-    # (float64 for float64 updates): EMA of its clipped norms; inf until seen
+    # (float64 for float64 updates; one per layer of a stacked leaf, in a
+    # `StackedStats`): EMA of its clipped norms; inf until seen
     count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps whose norms were all finite
     norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
     norms: chex.ArrayTree  # a float32 scalar per tensor: its pre-clip norm
@@ -84,6 +85,7 @@ def adagc(
     alpha: ArrayLike = 0.99,
     warmup_steps: int = 100,
     max_norm: ArrayLike = 1.0,
+    stacked: Any = None,
     axis_name: AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -93,9 +95,11 @@ def adagc(
     are clipped by global norm to `max_norm` and each tensor's EMA starts from
     its smallest nonzero clipped norm; after them each tensor is clipped on
     its own to `clip_ratio` times its EMA, which follows its clipped norm with
-    factor `alpha`. A spike in one tensor changes no other's update. It
-    follows the authors' reference code where the paper leaves room;
-    docs/semantics.md ("AdaGC") gives the rule and the differences.
+    factor `alpha`. A spike in one tensor changes no other's update. With
+    `stacked`, each layer of a stacked leaf is a tensor of its own, with its
+    own EMA (docs/stacked-layers.md). It follows the authors' reference code
+    where the paper leaves room; docs/semantics.md ("AdaGC") gives the rule
+    and the differences.
 
     Args:
       clip_ratio: a tensor is clipped to this multiple of its EMA (the
@@ -104,6 +108,8 @@ def adagc(
       warmup_steps: how many first steps clip by global norm, an int >= 0.
       max_norm: the global-norm threshold of the warm-up (`lambda_abs`): a
         positive scalar, `inf`, or an array.
+      stacked: None, or a prefix of the updates holding, per subtree, how many
+        leading axes index stacked layers, or a callable that returns one.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates: a tensor's
@@ -136,6 +142,7 @@ def adagc(
     _checks.open_unit("alpha", alpha)
     warmup = _checks.count("warmup_steps", warmup_steps, minimum=0)
     _checks.threshold("max_norm", max_norm)
+    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
 
     def init(per_tensor: Callable[[Any], Any], dtype: np.dtype) -> AdaGCState:
         return AdaGCState(
@@ -151,6 +158,7 @@ def adagc(
         init,
         functools.partial(adagc_shared, max_norm=max_norm, warmup_steps=warmup),
         functools.partial(adagc_rule, clip_ratio=clip_ratio, alpha=alpha),
+        stacked=stacked,
         specs=specs,
-        axis_name=_checks.axis_name(axis_name),
+        axis_name=names,
     )

@@ -113,18 +113,20 @@ def tensor_rule(
     shared: Shared[S, H],
     rule: TensorRule[S, H],
     *,
+    stacked: Any,
     specs: Any,
     axis_name: tuple[str, ...],
 ) -> optax.GradientTransformation:
-    """An Optax transformation that clips each leaf by its own norm to the
-    threshold `rule` gives it. `init(per_tensor, dtype)` is the state before
-    any step, `per_tensor(value)` the params' tree holding `value` for each
-    tensor."""
+    """An Optax transformation that clips each tensor (each layer of a
+    stacked leaf) by its own norm to the threshold `rule` gives it.
+    `init(per_tensor, dtype)` is the state before any step, `per_tensor(value)`
+    the per-tensor field holding `value` for each tensor."""
 
     def tensor_step(
         fields: tuple[str, ...], state: S, norm: jax.Array, values: H
     ) -> tuple[dict[str, jax.Array], jax.Array]:
-        """One tensor's rule, with the NaN rule, and its clip factor."""
+        """One leaf's rule (elementwise over its layers), with the NaN rule,
+        and its clip factor."""
         threshold, stepped = rule(state, norm, values)
         threshold = threshold.astype(norm.dtype)
         finite = jnp.isfinite(norm)
@@ -136,12 +138,21 @@ def tensor_rule(
     # Jitted, so that tensors of one shape share one trace (benchmarks/RESULTS.md).
     step = jax.jit(tensor_step, static_argnums=0)
 
+    def checked(tree: optax.Params) -> _checks.Leaves:
+        return _checks.stacking(stacked, tree, _checks.norm_leaves(tree, fn_name))
+
     def init_fn(params: optax.Params) -> S:
-        leaves = _checks.norm_leaves(params, fn_name)
+        leaves = checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
 
         def per_tensor(value: Any) -> Any:
-            return leaves.rebuild([jnp.asarray(value, dtype) for _ in leaves.arrays])
+            return _states.per_tensor(
+                leaves,
+                [
+                    jnp.full(leaves.layers(i), value, dtype)
+                    for i in range(len(leaves.arrays))
+                ],
+            )
 
         return init(per_tensor, dtype)
 
@@ -149,22 +160,25 @@ def tensor_rule(
         updates: optax.Updates, state: S, params: optax.Params | None = None
     ) -> tuple[optax.Updates, S]:
         del params
-        leaves = _checks.norm_leaves(updates, fn_name)
+        leaves = checked(updates)
         placements = _placement.leaf_placements(leaves, specs, axis_name)
         dtype = state.norm.dtype
-        whole = [tuple(range(x.ndim)) for x in leaves.arrays]
-        norms = [
-            n.astype(dtype)
-            for n in _engine.tensor_norms(leaves.arrays, whole, placements)
-        ]
-        stacked = jnp.stack(norms) if norms else jnp.zeros((0,), dtype)
-        total = _engine.norm_of_norms(stacked)
-        values = shared(state, total)
+        norms = [n.astype(dtype) for n in _engine.layer_norms(leaves, placements)]
+        layer_axes = None
+        if placements is not None:
+            layer_axes = [
+                _placement.split_axes(dims, range(len(leaves.layers(i))))
+                for i, dims in enumerate(placements)
+            ]
+        total, finite = _engine.norm_of_layer_norms(norms, layer_axes)
+        values = shared(state, total.astype(dtype))
         fields = tuple(_states.DECLARED[type(state)].per_tensor)
-        shapes = [()] * len(norms)
+        shapes = [leaves.layers(i) for i in range(len(norms))]
         entries = zip(
             *(
-                _checks.state_entries(fn_name, leaves, getattr(state, f), shapes)
+                _checks.state_entries(
+                    fn_name, leaves, _states.per_tensor_tree(getattr(state, f)), shapes
+                )
                 for f in fields
             ),
             strict=True,
@@ -179,12 +193,17 @@ def tensor_rule(
             for norm, own in zip(norms, entries, strict=True)
         ]
         new_state = state._replace(
-            **{f: leaves.rebuild([new[f] for new, _ in steps]) for f in fields},
-            count=_counted(jnp.all(jnp.isfinite(stacked)), state.count),
-            norm=total,
+            **{
+                f: _states.per_tensor(leaves, [new[f] for new, _ in steps])
+                for f in fields
+            },
+            count=_counted(finite, state.count),
+            norm=total.astype(dtype),
         )
         clipped = [
-            _engine.scaled(x, factor)
+            _engine.scaled(
+                x, factor.reshape(factor.shape + (1,) * (x.ndim - factor.ndim))
+            )
             for x, (_, factor) in zip(leaves.arrays, steps, strict=True)
         ]
         return leaves.rebuild(clipped), new_state

@@ -59,7 +59,7 @@ def _clip_units(
 
 
 def adaptive_grad_clip(
-    clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Any = None
+    clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Any = None, *, stacked: Any = None
 ) -> optax.GradientTransformation:
     """Clips each unit of the updates to `clipping` times its parameter's norm.
 
@@ -70,14 +70,17 @@ def adaptive_grad_clip(
     `clipping * max(|w|, eps)`, `|w|` being the same unit's parameter norm,
     is scaled down to that norm. Norms are accumulated in float32 (float64
     for float64 leaves); a unit whose norm is NaN or inf comes out NaN
-    (docs/semantics.md).
+    (docs/semantics.md). With `stacked`, units are those of one layer of a
+    stacked leaf (docs/stacked-layers.md).
 
     Args:
       clipping: the largest ratio of a unit's update norm to its parameter
         norm: a positive scalar, `inf`, or an array.
       eps: the smallest parameter norm a unit is measured against, >= 0.
       axis: None (optax's default by rank), an int, or a sequence of distinct
-        ints: the axes each unit spans, for every leaf.
+        ints: the axes each unit spans, for every leaf (within one layer).
+      stacked: None, or a prefix of the updates holding, per subtree, how many
+        leading axes index stacked layers, or a callable that returns one.
 
     Returns:
       An `optax.GradientTransformation` with state `optax.EmptyState`.
@@ -106,10 +109,19 @@ def adaptive_grad_clip(
     _checks.scalar("eps", eps, "a finite real number >= 0", low=0, high_open=True)
     axes = _checks.axes(axis, name="axis")
 
+    def reduced(tree: optax.Updates) -> tuple[_checks.Leaves, list[tuple[int, ...]]]:
+        """The checked leaves, and each one's unit axes (after its stacked
+        ones)."""
+        leaves = _checks.norm_leaves(tree, "adaptive_grad_clip")
+        leaves = _checks.stacking(stacked, tree, leaves)
+        units = []
+        for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
+            k = len(leaves.layers(i))
+            units.append(tuple(k + a for a in unit_axes(axes, path, x.shape[k:])))
+        return leaves, units
+
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        leaves = _checks.norm_leaves(params, "adaptive_grad_clip")
-        for path, leaf in zip(leaves.paths, leaves.arrays, strict=True):
-            unit_axes(axes, path, leaf.shape)
+        reduced(params)
         return optax.EmptyState()
 
     def update_fn(
@@ -117,13 +129,9 @@ def adaptive_grad_clip(
         state: optax.EmptyState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, optax.EmptyState]:
-        leaves = _checks.norm_leaves(updates, "adaptive_grad_clip")
+        leaves, units = reduced(updates)
         weights = _checks.params_of(updates, params, "adaptive_grad_clip")
-        reduced = [
-            unit_axes(axes, path, g.shape)
-            for path, g in zip(leaves.paths, leaves.arrays, strict=True)
-        ]
-        norms = _engine.tensor_norms(leaves.arrays + weights, reduced + reduced)
+        norms = _engine.tensor_norms(leaves.arrays + weights, units + units)
         count = len(leaves.arrays)
         clipped = [
             _clip_units(g, gn, wn.astype(gn.dtype), clipping, eps)

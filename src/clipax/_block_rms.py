@@ -19,7 +19,9 @@ def _rms_factor(norm: jax.Array, root_size: float, threshold: Any) -> jax.Array:
     return _engine.clip_factor(norm / root_size, threshold)
 
 
-def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
+def clip_by_block_rms(
+    threshold: ArrayLike, *, stacked: Any = None
+) -> optax.GradientTransformation:
     """Scales each update leaf so that its root mean square is <= `threshold`.
 
     Equal to `optax.clip_by_block_rms` on the same inputs: a leaf whose RMS,
@@ -27,11 +29,14 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
     `threshold / rms`. With clipax's rules: the RMS is the leaf's norm
     (float32, float64 for float64 leaves) over `sqrt(size)`, each leaf keeps
     its dtype, and a leaf whose RMS is NaN or inf comes out NaN
-    (docs/semantics.md).
+    (docs/semantics.md). With `stacked`, each layer of a stacked leaf is a
+    block of its own (docs/stacked-layers.md).
 
     Args:
       threshold: the largest RMS allowed for each leaf: a positive scalar,
         `inf`, or an array (docs/semantics.md, "Thresholds").
+      stacked: None, or a prefix of the updates holding, per subtree, how many
+        leading axes index stacked layers, or a callable that returns one.
 
     Returns:
       An `optax.GradientTransformation` with state `optax.EmptyState`.
@@ -51,8 +56,12 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
     """
     _checks.threshold("threshold", threshold)
 
+    def checked(tree: optax.Updates) -> _checks.Leaves:
+        leaves = _checks.norm_leaves(tree, "clip_by_block_rms")
+        return _checks.stacking(stacked, tree, leaves)
+
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        _checks.norm_leaves(params, "clip_by_block_rms")
+        checked(params)
         return optax.EmptyState()
 
     def update_fn(
@@ -61,13 +70,14 @@ def clip_by_block_rms(threshold: ArrayLike) -> optax.GradientTransformation:
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-        leaves = _checks.norm_leaves(updates, "clip_by_block_rms")
-        whole = [tuple(range(x.ndim)) for x in leaves.arrays]
-        norms = _engine.tensor_norms(leaves.arrays, whole)
-        clipped = [
-            _engine.scaled(x, _rms_factor(n, math.sqrt(max(x.size, 1)), threshold))
-            for x, n in zip(leaves.arrays, norms, strict=True)
-        ]
+        leaves = checked(updates)
+        inner = [leaves.inner(i) for i in range(len(leaves.arrays))]
+        norms = _engine.tensor_norms(leaves.arrays, inner)
+        clipped = []
+        for x, n, axes in zip(leaves.arrays, norms, inner, strict=True):
+            size = math.prod(x.shape[a] for a in axes)
+            factor = _rms_factor(n, math.sqrt(max(size, 1)), threshold)
+            clipped.append(_engine.scaled(x, factor))
         return leaves.rebuild(clipped), optax.EmptyState()
 
     return optax.GradientTransformation(init_fn, update_fn)

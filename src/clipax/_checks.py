@@ -77,14 +77,28 @@ class Leaves:
     """A tree's leaves with their key paths, Python numbers as 0-d arrays.
 
     None and `optax.MaskedNode` are no leaves: `rebuild` puts them back.
+    `stacked` gives, per leaf, how many leading axes index stacked layers
+    (`stacking`), and `depths` after how many of its path keys the layer
+    index goes in a key; both empty when no `stacked` was given.
     """
 
     paths: list[KeyPath]
     arrays: list[Any]
     treedef: Any
+    stacked: tuple[int, ...] = ()
+    depths: tuple[int, ...] = ()
 
     def rebuild(self, arrays: Sequence[Any]) -> PyTree:
         return jax.tree.unflatten(self.treedef, arrays)
+
+    def layers(self, i: int) -> tuple[int, ...]:
+        """The shape of leaf `i`'s stacked axes (() for a leaf not stacked)."""
+        return tuple(self.arrays[i].shape[: self.stacked[i]]) if self.stacked else ()
+
+    def inner(self, i: int) -> tuple[int, ...]:
+        """Leaf `i`'s axes within one layer."""
+        k = self.stacked[i] if self.stacked else 0
+        return tuple(range(k, self.arrays[i].ndim))
 
 
 def leaves(tree: PyTree) -> Leaves:
@@ -249,6 +263,135 @@ def params_of(updates: PyTree, params: PyTree, fn_name: str) -> list[Any]:
             )
         norm_leaf(path, w, fn_name)
         out.append(w)
+    return out
+
+
+# Prefixes of a tree: `specs`, `stacked`.
+
+
+def _empty(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def prefix_entries(
+    name: str, prefix: PyTree, leaves: Leaves, is_entry: Any, what: str = "entry"
+) -> list[tuple[Any, int]]:
+    """For each of `leaves`, the entry of `prefix` (a pytree prefix of their
+    tree) that covers it, and the number of path keys above that entry.
+
+    Raises:
+      ValueError: naming the path, if `prefix` holds an entry where `tree`
+        has no node, or has no entry above a leaf.
+    """
+    table: dict[tuple[str, ...], tuple[Any, int]] = {}
+    flat = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_entry)[0]
+    for path, entry in flat:
+        table[tuple(map(str, path))] = (entry, len(path))
+    skeleton = leaves.rebuild(range(len(leaves.arrays)))  # empty leaves kept
+    nodes = {
+        tuple(map(str, path))[:end]
+        for path, _ in jax.tree_util.tree_flatten_with_path(skeleton, is_leaf=_empty)[0]
+        for end in range(len(path) + 1)
+    }
+    out = []
+    for path, x in zip(leaves.paths, leaves.arrays, strict=True):
+        key = tuple(map(str, path))
+        found = next(
+            (key[:end] for end in range(len(key), -1, -1) if key[:end] in table), None
+        )
+        if found is None:
+            raise ValueError(
+                f"`{name}` has no {what} for the leaf at {path_str(path)} (shape "
+                f"{tuple(x.shape)}); it must be a prefix of the updates' tree."
+            )
+        out.append(table[found])
+    for (key, _), (path, _) in zip(table.items(), flat, strict=True):
+        if key not in nodes:
+            raise ValueError(
+                f"`{name}` holds an entry at {path_str(path)}, where the updates "
+                "have no node: it must be a prefix of the updates' tree."
+            )
+    return out
+
+
+STACKED_ACCEPTED = (
+    "None, a pytree prefix of the updates holding an int k >= 0 per subtree "
+    "(its leaves' leading k axes index stacked layers), or a callable that "
+    "takes the updates and returns one"
+)
+
+
+def stacking(stacked: Any, tree: PyTree, leaves: Leaves) -> Leaves:
+    """`leaves` with, per leaf, how many leading axes index stacked layers,
+    from `stacked` (a prefix of `tree` of ints, or a callable giving one).
+
+    Raises:
+      TypeError: if `stacked` holds something other than an int.
+      ValueError: naming the leaf or path, if `stacked` is not a prefix of
+        `tree`, or gives a leaf a negative number of axes or more than it has.
+    """
+    if stacked is None:
+        return leaves
+    prefix = stacked(tree) if callable(stacked) else stacked
+    entries = prefix_entries("stacked", prefix, leaves, None)
+    for (k, _), path, x in zip(entries, leaves.paths, leaves.arrays, strict=True):
+        if not isinstance(k, numbers.Integral) or isinstance(k, bool):
+            raise TypeError(
+                f"`stacked` must be {STACKED_ACCEPTED}; for the leaf at "
+                f"{path_str(path)} it holds {short_repr(k)}."
+            )
+        if not 0 <= int(k) <= x.ndim:
+            raise ValueError(
+                f"`stacked` gives {k} stacked axes to the leaf at {path_str(path)} "
+                f"with shape {tuple(x.shape)}: an int from 0 to its rank, "
+                f"{x.ndim}."
+            )
+    return dataclasses.replace(
+        leaves,
+        stacked=tuple(int(k) for k, _ in entries),
+        depths=tuple(depth for _, depth in entries),
+    )
+
+
+def unrolled(
+    paths: Sequence[KeyPath],
+    layers: Sequence[tuple[int, ...]],
+    depths: Sequence[int],
+) -> list[tuple[int, tuple[int, ...] | None, list[str]]]:
+    """The tensors of stacked leaves as the unrolled model has them: for each,
+    its leaf, its layer index (None for a leaf not stacked) and its key path
+    with the index where the stacked subtree starts, in the unrolled model's
+    order (layer by layer through each stacked subtree)."""
+    keys = [path_keys(path) for path in paths]
+    out: list[tuple[int, tuple[int, ...] | None, list[str]]] = []
+    i = 0
+    while i < len(paths):
+        if not layers[i]:
+            out.append((i, None, keys[i]))
+            i += 1
+            continue
+        d, root = depths[i], keys[i][: depths[i]]
+        j = i
+        while j < len(paths) and layers[j] == layers[i] and keys[j][:d] == root:
+            j += 1
+        for index in np.ndindex(*layers[i]):
+            for m in range(i, j):
+                unrolled_keys = [*keys[m][:d], *map(str, index), *keys[m][d:]]
+                out.append((m, index, unrolled_keys))
+        i = j
+    return out
+
+
+def each_inner_axes(
+    axes: tuple[int, ...] | None, leaves: Leaves, name: str = "axes"
+) -> list[tuple[int, ...]]:
+    """`axes` resolved within one layer of each leaf: counted in its axes
+    after the stacked ones (all of those for None)."""
+    out = []
+    for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
+        k = leaves.stacked[i] if leaves.stacked else 0
+        inner = leaf_axes(axes, path, tuple(x.shape[k:]), name)
+        out.append(tuple(k + a for a in inner))
     return out
 
 
@@ -510,16 +653,6 @@ def leaf_axes(
     return resolved
 
 
-def each_leaf_axes(
-    axes: tuple[int, ...] | None, leaves: Leaves
-) -> list[tuple[int, ...]]:
-    """`leaf_axes` for each of `leaves`."""
-    return [
-        leaf_axes(axes, path, x.shape)
-        for path, x in zip(leaves.paths, leaves.arrays, strict=True)
-    ]
-
-
 def axis_name(value: Any) -> tuple[str, ...]:
     """A mesh-axis name, or a sequence of them, as a tuple; () for None."""
     if value is None:
@@ -538,15 +671,17 @@ def axis_name(value: Any) -> tuple[str, ...]:
 
 
 def axes_and_axis_name(
-    axes_value: Any, axis_name_value: Any
+    axes_value: Any, axis_name_value: Any, stacked: Any = None
 ) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
-    """`axes` and `axis_name`, which cannot be given together."""
+    """`axes` and `axis_name`, which cannot be given together, nor
+    `axis_name` with `stacked`: a norm over some of a leaf's dimensions
+    must know which are split."""
     resolved, names = axes(axes_value), axis_name(axis_name_value)
-    if names and resolved is not None:
+    if names and (resolved is not None or stacked is not None):
+        given = f"`axes`={resolved}" if resolved is not None else "`stacked`"
         raise ValueError(
-            f"`axis_name` cannot be combined with `axes`={resolved}: it says "
-            "that every leaf is split, but not along which dimension; give "
-            "`specs` instead."
+            f"`axis_name` cannot be combined with {given}: it says that every "
+            "leaf is split, but not along which dimension; give `specs` instead."
         )
     return resolved, names
 

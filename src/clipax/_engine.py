@@ -431,18 +431,56 @@ def _looped_passes(
     return total, scale
 
 
-def norm_of_norms(norms: jax.Array) -> jax.Array:
-    """The L2 norm of `norms` along axis 0, scaled by `pow2_scale` of the
-    largest entry so that it neither overflows nor underflows where the
+def norm_of_norms(norms: jax.Array, p: float = 2.0) -> jax.Array:
+    """The p-norm of `norms` (>= 0) along axis 0, scaled by `pow2_scale` of
+    the largest entry so that it neither overflows nor underflows where the
     entries do not; NaN if an entry is NaN, else inf if one is inf."""
     if norms.shape[0] == 0:
         return jnp.zeros(norms.shape[1:], norms.dtype)
     peak = jnp.max(norms, axis=0)
+    if p == math.inf:
+        return peak
     usable = jnp.isfinite(peak) & (peak > 0)
     scale = pow2_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
     norms, factor = _unfolded(norms, scale)
-    total = jnp.sqrt(jnp.sum(jnp.square(norms * factor), axis=0)) / scale
+    total = safe_root(jnp.sum(powers(norms * factor, p), axis=0), p) / scale
     return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
+
+
+def norm_of_layer_norms(
+    norms: list[jax.Array], layer_axes: list[MeshAxes] | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The L2 norm of all tensors' norms (their global norm), and whether all
+    of those are finite, from each tensor's norms (one per layer of a stacked
+    tensor), scaled by `pow2_scale` of the largest; NaN if a norm is NaN, else
+    inf if one is inf. Where a tensor's layers are split across devices
+    (`layer_axes`: per tensor, the mesh axes that split its stacked axes),
+    both are completed across them, so that every device has the same; no
+    tensor's norms are moved (they may be split over explicit mesh axes)."""
+    if not norms:
+        return jnp.zeros((), np.float32), jnp.asarray(True)
+    peak = jnp.max(jnp.stack([jnp.max(n, initial=0.0) for n in norms]))
+    broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(n)) for n in norms]))
+    sets = [names for names in dict.fromkeys(layer_axes or []) if names]
+    if sets:
+        peak = _placement.pmax_everywhere(peak, sets)
+        broken = _placement.pmax_everywhere(broken, sets)
+    scale = pow2_scale(jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0))
+    sums = [jnp.sum(jnp.square(n * scale)) for n in norms]
+    if sets:
+        sums = _placement.psum_each(sums, list(layer_axes or []))
+    total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
+    return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
+
+
+def layer_norms(
+    leaves: _checks.Leaves, placements: Placements | None = None
+) -> list[jax.Array]:
+    """Each tensor's L2 norm, shaped as its stacked axes (a scalar for a leaf
+    not stacked): one reduction over each leaf's inner axes."""
+    inner = [leaves.inner(i) for i in range(len(leaves.arrays))]
+    norms = tensor_norms(leaves.arrays, inner, placements)
+    return [n.reshape(leaves.layers(i)) for i, n in enumerate(norms)]
 
 
 # Per-tensor norms.

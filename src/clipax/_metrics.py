@@ -73,33 +73,55 @@ def _add_clip_facts(stats: dict[str, jax.Array], where: str) -> None:
         _put(stats, _join(where, "clip_factor"), _engine.clip_factor(n, t))
 
 
-def _per_tensor(field: str, stat: str, tree: Any) -> dict[str, jax.Array]:
-    """One entry per tensor, `<tensor path>/<stat>` (the empty path `root`).
+def _entry(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
+    """`array[index]`; where the array is split over explicit mesh axes, as a
+    masked sum, which needs no resharding (indexing would)."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return array[index]
+    hit = jnp.ones(array.shape, bool)
+    for dim, i in enumerate(index):
+        hit &= jax.lax.broadcasted_iota(jnp.int32, array.shape, dim) == i
+    return jnp.sum(jnp.where(hit, array, jnp.zeros_like(array)))
+
+
+def _per_tensor(field: str, stat: str, value: Any) -> dict[str, jax.Array]:
+    """One entry per tensor, `<tensor path>/<stat>` (the empty path `root`);
+    for a stacked tensor, one per layer, its index in the path where the
+    stacked subtree starts (`StackedStats.depths`).
 
     Raises:
       ValueError: naming both leaves, if two paths join to one key (a dict key
         holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`).
     """
     nnx = _nnx()
+    stacked = isinstance(value, _states.StackedStats)
     flat, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: bool(nnx) and isinstance(x, nnx.Variable)
+        _states.per_tensor_tree(value),
+        is_leaf=lambda x: bool(nnx) and isinstance(x, nnx.Variable),
     )
+    arrays = [_unwrap(leaf) for _, leaf in flat]
+    if not stacked:  # one scalar per tensor; others (buffers) are left out
+        kept = [j for j, x in enumerate(arrays) if _scalar(x) is not None]
+        flat, arrays = [flat[j] for j in kept], [arrays[j] for j in kept]
+    paths = [path for path, _ in flat]
+    layers = [tuple(x.shape) if stacked else () for x in arrays]
+    depths = value.depths if stacked else (0,) * len(paths)
     out: dict[str, jax.Array] = {}
     seen: dict[str, _checks.KeyPath] = {}
-    for path, leaf in flat:
-        scalar = _scalar(leaf)
-        if scalar is None:
-            continue
-        where = SEPARATOR.join(_checks.path_keys(path)) or "root"
+    for j, index, keys in _checks.unrolled(paths, layers, depths):
+        where = SEPARATOR.join(keys) or "root"
         if where in seen:
             raise ValueError(
-                f"`clipax.metrics` got the leaves at {_checks.path_str(seen[where])}"
-                f" and {_checks.path_str(path)} of `{field}`, whose paths both "
-                f"join to {where!r} with {SEPARATOR!r}; one key would hide the "
-                f"other. Rename a key so that no dict key holds {SEPARATOR!r}."
+                "`clipax.metrics` got the leaves at "
+                f"{_checks.path_str(seen[where])} and {_checks.path_str(paths[j])} "
+                f"of `{field}`, whose paths both join to {where!r} with "
+                f"{SEPARATOR!r}; one key would hide the other. Rename a key so "
+                f"that no dict key holds {SEPARATOR!r}."
             )
-        seen[where] = path
-        out[_join(where, stat)] = scalar
+        seen[where] = paths[j]
+        array = jnp.asarray(arrays[j])
+        out[_join(where, stat)] = array if index is None else _entry(array, index)
     return out
 
 

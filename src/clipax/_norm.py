@@ -18,6 +18,7 @@ class ClipByNormState(NamedTuple):
     """State of `clip_by_norm`: each leaf's pre-clip norm at the last update."""
 
     norms: chex.ArrayTree  # the updates' tree with a float32 scalar per leaf
+    # (one per layer of a stacked leaf, in a `StackedStats`)
 
 
 @_checks.peer_names(
@@ -31,6 +32,7 @@ def clip_by_norm(
     axes: Any = None,
     name: str | None = None,
     *,
+    stacked: Any = None,
     axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -38,15 +40,19 @@ def clip_by_norm(
 
     The transformation form of `clipax.tree.clip_by_norm` (`tf.clip_by_norm`,
     Keras `clipnorm`). Its state keeps each leaf's pre-clip norm (with `axes`,
-    the largest among its slices), for `optax.tree.get(opt_state, "norms")`
-    and `clipax.metrics`.
+    the largest among its slices; with `stacked`, one per layer), for
+    `optax.tree.get(opt_state, "norms")` and `clipax.metrics`.
 
     Args:
       max_norm: the largest norm allowed for each leaf (or slice): a positive
         scalar, `inf`, or an array (docs/semantics.md, "Thresholds").
       axes: None (each whole leaf), an int, or a sequence of distinct ints:
-        the axes each norm is taken over, for every leaf.
+        the axes each norm is taken over, for every leaf (within one layer of
+        a stacked leaf).
       name: TensorFlow's name for the operation: ignored.
+      stacked: None, or a prefix of the updates holding, per subtree, how many
+        leading axes index stacked layers, or a callable that returns one
+        (see `clipax.tree.clip_by_norm`).
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over; only with `axes=None`.
       specs: inside `shard_map`, the `in_specs` of the updates.
@@ -74,16 +80,21 @@ def clip_by_norm(
     """
     del name  # means nothing in JAX
     _checks.threshold("max_norm", max_norm)
-    axes, names = _checks.axes_and_axis_name(axes, axis_name)
+    axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
+
+    def checked(tree: optax.Params) -> _checks.Leaves:
+        return _checks.stacking(
+            stacked, tree, _checks.norm_leaves(tree, "clip_by_norm")
+        )
 
     def init_fn(params: optax.Params) -> ClipByNormState:
-        leaves = _checks.norm_leaves(params, "clip_by_norm")
-        _checks.each_leaf_axes(axes, leaves)
-        return ClipByNormState(
-            norms=leaves.rebuild(
-                [jnp.zeros((), _engine.accum_dtype(x.dtype)) for x in leaves.arrays]
-            )
-        )
+        leaves = checked(params)
+        _checks.each_inner_axes(axes, leaves)
+        zeros = [
+            jnp.zeros(leaves.layers(i), _engine.accum_dtype(x.dtype))
+            for i, x in enumerate(leaves.arrays)
+        ]
+        return ClipByNormState(norms=_states.per_tensor(leaves, zeros))
 
     def update_fn(
         updates: optax.Updates,
@@ -91,15 +102,17 @@ def clip_by_norm(
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByNormState]:
         del params
-        leaves = _checks.norm_leaves(updates, "clip_by_norm")
+        leaves = checked(updates)
         _checks.state_entries(
-            "clip_by_norm", leaves, state.norms, [()] * len(leaves.arrays)
+            "clip_by_norm",
+            leaves,
+            _states.per_tensor_tree(state.norms),
+            [leaves.layers(i) for i in range(len(leaves.arrays))],
         )
         placements = _placement.leaf_placements(leaves, specs, names)
-        clipped, norms = tree_norm.clip_leaves(
-            leaves, max_norm, _checks.each_leaf_axes(axes, leaves), placements
-        )
-        peaks = tree_norm.peak_norms(norms, placements)
-        return clipped, ClipByNormState(norms=leaves.rebuild(peaks))
+        reduced = _checks.each_inner_axes(axes, leaves)
+        clipped, norms = tree_norm.clip_leaves(leaves, max_norm, reduced, placements)
+        peaks = tree_norm.peak_norms(norms, leaves, placements)
+        return clipped, ClipByNormState(norms=_states.per_tensor(leaves, peaks))
 
     return optax.GradientTransformation(init_fn, update_fn)

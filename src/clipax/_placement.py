@@ -60,44 +60,32 @@ def leaf_placements(
     """
     if specs is None and not axis_name:
         return None
-    names = axis_name
-    table: dict[tuple[str, ...], PartitionSpec | None] = {}
+    specs_of: list[Any] = [None] * len(leaves.arrays)
     if specs is not None:
-        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[
-            0
-        ]:
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]
+        for path, spec in flat:
             if not _is_spec(spec):
                 raise TypeError(
                     "`specs` must be a tree of jax.sharding.PartitionSpec (a prefix "
                     f"of the updates); at {_checks.path_str(path)} it holds "
                     f"{spec!r}."
                 )
-            table[tuple(map(str, path))] = spec
+        entries = _checks.prefix_entries(
+            "specs", specs, leaves, _is_spec, "PartitionSpec"
+        )
+        specs_of = [spec for spec, _ in entries]
     placements = []
-    for path, leaf in zip(leaves.paths, leaves.arrays, strict=True):
-        spec = None
-        if specs is not None:
-            key = tuple(map(str, path))
-            for end in range(len(key), -1, -1):
-                if key[:end] in table:
-                    spec = table[key[:end]]
-                    break
-            else:
-                raise ValueError(
-                    f"`specs` has no PartitionSpec for the leaf at "
-                    f"{_checks.path_str(path)} (shape {tuple(leaf.shape)}); it must "
-                    "be a prefix of the updates tree, as `in_specs` of shard_map."
-                )
-        entries = _spec_entries(spec, path, leaf.ndim)
-        if names:
-            entries = [tuple(dict.fromkeys(e + names)) for e in entries]
+    for path, leaf, spec in zip(leaves.paths, leaves.arrays, specs_of, strict=True):
+        dims = _spec_entries(spec, path, leaf.ndim)
+        if axis_name:
+            dims = [tuple(dict.fromkeys(e + axis_name)) for e in dims]
             if leaf.ndim == 0:
                 raise ValueError(
                     f"`axis_name` splits every leaf, but the leaf at "
                     f"{_checks.path_str(path)} is a scalar; use `specs` to mark it "
                     "replicated."
                 )
-        placements.append(entries)
+        placements.append(dims)
     return placements
 
 

@@ -97,6 +97,63 @@ def declare(
     return add
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class StackedStats:
+    """Per-tensor statistics of updates with stacked layers (`stacked=`).
+
+    `tree` has the updates' structure; each of its leaves holds one entry per
+    layer of its tensor, shaped as the tensor's stacked axes. `depths` gives,
+    per leaf, after how many of its path keys `clipax.metrics` puts the layer
+    index, so that the keys read as the unrolled model's
+    (`layers/0/attn/kernel`). Indexing and attributes read `tree`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> grads = {"blocks": {"w": jnp.ones((3, 2))}, "head": jnp.ones(2)}
+      >>> tx = clipax.clip_by_norm(1.0, stacked={"blocks": 1, "head": 0})
+      >>> _, state = tx.update(grads, tx.init(grads))
+      >>> state.norms["blocks"]["w"]  # one norm per layer
+      Array([1.4142135, 1.4142135, 1.4142135], dtype=float32)
+      >>> list(clipax.metrics(state))[:2]
+      ['clip_by_norm/blocks/0/w/norm', 'clip_by_norm/blocks/1/w/norm']
+    """
+
+    def __init__(self, tree: Any, depths: tuple[int, ...]) -> None:
+        self.tree = tree
+        self.depths = tuple(depths)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.tree[key]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("tree", "depths"):  # not set yet (as when unpickling)
+            raise AttributeError(name)
+        return getattr(self.tree, name)
+
+    def __repr__(self) -> str:
+        return f"StackedStats({self.tree!r}, depths={self.depths})"
+
+    def tree_flatten_with_keys(self) -> tuple[Any, tuple[int, ...]]:
+        return ((jax.tree_util.GetAttrKey("tree"), self.tree),), self.depths
+
+    @classmethod
+    def tree_unflatten(cls, depths: tuple[int, ...], children: Any) -> StackedStats:
+        return cls(children[0], depths)
+
+
+def per_tensor(leaves: _checks.Leaves, values: list[Any]) -> Any:
+    """A per-tensor field's value: `values`, one per leaf, in the updates'
+    tree, in a `StackedStats` where `stacked=` was given."""
+    tree = leaves.rebuild(values)
+    return StackedStats(tree, leaves.depths) if leaves.stacked else tree
+
+
+def per_tensor_tree(stats: Any) -> Any:
+    """The tree inside a per-tensor field (a `StackedStats`, or the tree)."""
+    return stats.tree if isinstance(stats, StackedStats) else stats
+
+
 def declared(node: Any) -> Declared | None:
     """What `node`'s class declares: for a mapping (a restored state), the
     class whose fields are its keys; None when `node` is no clipax state."""

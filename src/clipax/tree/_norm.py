@@ -7,6 +7,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from clipax import _checks, _engine, _placement
@@ -24,6 +25,7 @@ def clip_by_norm(
     axes: Any = None,
     name: str | None = None,
     *,
+    stacked: Any = None,
     axis_name: _placement.AxisName = None,
     specs: Any = None,
 ) -> chex.ArrayTree:
@@ -34,15 +36,21 @@ def clip_by_norm(
     other axes is clipped on its own (`axes=1` on a matrix clips each row).
     Each norm is a float32 sum of squares (float64 for float64 leaves), and
     the rules of `clipax.tree.clip_by_global_norm` hold for each leaf or slice
-    (docs/semantics.md). It takes the call of `tf.clip_by_norm`.
+    (docs/semantics.md). With `stacked`, each layer of a stacked leaf is a
+    tensor of its own (docs/stacked-layers.md). It takes the call of
+    `tf.clip_by_norm`.
 
     Args:
       tree: a pytree of float16, bfloat16, float32, float64 or complex arrays.
       max_norm: the largest norm allowed for each leaf or slice: a positive
         scalar, `inf`, or an array (docs/semantics.md, "Thresholds").
       axes: None (the whole leaf), an int, or a sequence of distinct ints
-        (negative ones count from the end), for every leaf.
+        (negative ones count from the end), for every leaf; within one layer
+        of a stacked leaf.
       name: TensorFlow's name for the operation: ignored.
+      stacked: None, or a prefix of `tree` holding, per subtree, how many
+        leading axes of its leaves index stacked layers (1 for `nn.scan`), or
+        a callable that takes `tree` and returns one.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over; only with `axes=None`.
       specs: inside `shard_map`, the `in_specs` of `tree` (a prefix tree of
@@ -52,8 +60,8 @@ def clip_by_norm(
       The clipped tree, with the structure, shapes and dtypes of `tree`.
 
     Raises:
-      ValueError: if `max_norm` or `axes` is not accepted, or `axes` is out of
-        range for a leaf (naming its path and shape).
+      ValueError: if `max_norm`, `axes` or `stacked` is not accepted, or out
+        of range for a leaf (naming its path and shape).
       TypeError: if a leaf is not a float array, or a peer's argument is given
         wrongly.
 
@@ -67,9 +75,9 @@ def clip_by_norm(
     """
     del name  # means nothing in JAX
     _checks.threshold("max_norm", max_norm)
-    axes, names = _checks.axes_and_axis_name(axes, axis_name)
-    leaves = _checks.norm_leaves(tree, "clip_by_norm")
-    reduced = _checks.each_leaf_axes(axes, leaves)
+    axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
+    leaves = _checks.stacking(stacked, tree, _checks.norm_leaves(tree, "clip_by_norm"))
+    reduced = _checks.each_inner_axes(axes, leaves)
     placements = _placement.leaf_placements(leaves, specs, names)
     return clip_leaves(leaves, max_norm, reduced, placements)[0]
 
@@ -93,16 +101,34 @@ def clip_leaves(
 
 
 def peak_norms(
-    norms: list[jax.Array], placements: _placement.Placements | None
+    norms: list[jax.Array],
+    leaves: _checks.Leaves,
+    placements: _placement.Placements | None,
 ) -> list[jax.Array]:
-    """Each leaf's largest slice norm (a whole-leaf norm is its own), the same
-    on every device."""
-    peaks = [
-        jnp.reshape(n, ()) if n.size == 1 else jnp.max(n, initial=0.0) for n in norms
-    ]
-    if placements is not None and peaks:  # slices may be on other devices
-        everywhere = _placement.pmax_everywhere(
-            jnp.stack(peaks), [_placement.split_axes(e) for e in placements]
-        )
-        peaks = [everywhere[i] for i in range(len(peaks))]
-    return peaks
+    """Each tensor's largest slice norm (a whole tensor's norm is its own):
+    one per layer of a stacked leaf, the same on every device that holds it."""
+    peaks = []
+    for i, n in enumerate(norms):
+        layers = leaves.layers(i)
+        inner = tuple(range(len(layers), n.ndim))
+        peaks.append(jnp.max(n, axis=inner, initial=0.0) if inner else n)
+    if placements is None or not peaks:
+        return peaks
+    # One pmax over the axes that split the slices, per set of axes that
+    # split the layers (whose peaks are of other layers on other devices).
+    groups: dict[_placement.MeshAxes, list[int]] = {}
+    for i, dims in enumerate(placements):
+        layer_axes = _placement.split_axes(dims, range(len(leaves.layers(i))))
+        groups.setdefault(layer_axes, []).append(i)
+    out = list(peaks)
+    for layer_axes, members in groups.items():
+        split = {a for i in members for a in _placement.split_axes(placements[i])}
+        sizes = [peaks[i].size for i in members]
+        flat = jnp.concatenate([jnp.ravel(peaks[i]) for i in members])
+        names = tuple(a for a in sorted(split) if a not in layer_axes)
+        flat = jax.lax.pmax(flat, names) if names else flat
+        for i, piece in zip(
+            members, jnp.split(flat, np.cumsum(sizes)[:-1]), strict=True
+        ):
+            out[i] = piece.reshape(peaks[i].shape)
+    return out

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from clipax import _checks, _engine
@@ -28,15 +30,17 @@ def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
     pass over `x` (no scaled copy is made), and which, unlike a `tensordot`,
     also works when the batch axis is sharded with explicit mesh axes.
     """
-    weights = scales.reshape(scales.shape + (1,) * (x.ndim - 1))
+    weights = scales.reshape(scales.shape + (1,) * (x.ndim - scales.ndim))
     return jnp.sum(x * weights, axis=0).astype(x.dtype)
 
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """Each example's clip factor, and how many examples were scaled down (per
+    layer, for the norms of a stacked leaf: [batch, layers...])."""
     scales = _engine.clip_factor(norms, clip)
     # As optax counts them, but for a non-finite norm (its example is NaN).
     clipped = (norms > jnp.asarray(clip, norms.dtype)) & jnp.isfinite(norms)
-    return scales, jnp.sum(clipped).astype(jnp.int32)
+    return scales, jnp.sum(clipped, axis=0).astype(jnp.int32)
 
 
 def per_example_global_norm_clip(
@@ -95,6 +99,8 @@ def per_example_layer_norm_clip(
     grads: chex.ArrayTree,
     global_l2_norm_clip: ArrayLike,
     uniform: bool = True,
+    *,
+    stacked: Any = None,
 ) -> tuple[chex.ArrayTree, chex.ArrayTree]:
     """Clips each example's gradient leaf by leaf (layer by layer), then sums.
 
@@ -103,18 +109,23 @@ def per_example_layer_norm_clip(
     leaves is clipped per example, as `per_example_global_norm_clip` does, to its
     share of `C = global_l2_norm_clip`: `C / sqrt(K)` when `uniform`, else
     `C * sqrt(D_i / D)` (`D_i` the leaf's size per example, `D` the total).
-    Either way a clipped example's global norm is at most `C`.
+    Either way a clipped example's global norm is at most `C`. With
+    `stacked`, each layer of a stacked leaf is a layer of its own; its
+    stacked axes follow the batch axis (docs/stacked-layers.md).
 
     Args:
       grads: a pytree of float arrays, each with the batch on axis 0.
       global_l2_norm_clip: the bound `C`: a scalar >= 0, `inf`, or an array.
       uniform: whether every leaf gets the same share of `C` (default) or a
         share by its size.
+      stacked: None, or a prefix of `grads` holding, per subtree, how many
+        axes after the batch axis index stacked layers, or a callable that
+        returns one.
 
     Returns:
       `(summed, num_clipped)`: the sum over the batch of the clipped
-      per-example gradients, and a tree with an int32 scalar per leaf: how many
-      examples that leaf was scaled down for.
+      per-example gradients, and a tree with an int32 scalar per leaf (one
+      per layer of a stacked leaf): how many examples it was scaled down for.
 
     Raises:
       ValueError: if `global_l2_norm_clip` is not accepted, or a leaf has no
@@ -136,18 +147,32 @@ def per_example_layer_norm_clip(
     """
     _checks.nonnegative("global_l2_norm_clip", global_l2_norm_clip, CLIP_ACCEPTED)
     uniform = _checks.flag("uniform", uniform)
-    leaves = _checks.batched_leaves(grads, "per_example_layer_norm_clip").arrays
-    treedef = jax.tree.structure(grads)
-    if uniform:
-        shares = [1.0 / len(leaves)] * len(leaves) if leaves else []
-    else:
-        sizes = [int(np.prod(x.shape[1:])) for x in leaves]
-        total_size = sum(sizes)
-        shares = [size / total_size if total_size else 0.0 for size in sizes]
+    leaves = _checks.batched_leaves(grads, "per_example_layer_norm_clip")
+    leaves = _checks.stacking(stacked, grads, leaves)
+    layers, inner = [], []  # per leaf: its stacked axes' shape, its inner axes
+    for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
+        k = leaves.stacked[i] if leaves.stacked else 0
+        if k > x.ndim - 1:
+            raise ValueError(
+                f"`stacked` gives {k} stacked axes to the leaf at "
+                f"{_checks.path_str(path)} with shape {tuple(x.shape)}, whose "
+                f"first axis is the batch: at most {x.ndim - 1}."
+            )
+        layers.append(tuple(x.shape[1 : 1 + k]))
+        inner.append(tuple(range(1 + k, x.ndim)))
+    count = sum(math.prod(shape) for shape in layers)  # layers in all
+    sizes = [
+        math.prod(x.shape[a] for a in axes)
+        for x, axes in zip(leaves.arrays, inner, strict=True)
+    ]
+    total_size = sum(n * s for n, s in zip(map(math.prod, layers), sizes, strict=True))
+    norms = _engine.tensor_norms(leaves.arrays, inner)
     summed, counts = [], []
-    for x, share, norms in zip(leaves, shares, _example_norms(leaves), strict=True):
-        clip = jnp.asarray(global_l2_norm_clip, norms.dtype) * share**0.5
-        scales, num_clipped = _scales(norms, clip)
+    for x, n, shape, size in zip(leaves.arrays, norms, layers, sizes, strict=True):
+        share = 1.0 / count if uniform else (size / total_size if total_size else 0.0)
+        n = n.reshape((x.shape[0], *shape))
+        clip = jnp.asarray(global_l2_norm_clip, n.dtype) * share**0.5
+        scales, num_clipped = _scales(n, clip)
         summed.append(_weighted_sum(scales, x))
         counts.append(num_clipped)
-    return jax.tree.unflatten(treedef, summed), jax.tree.unflatten(treedef, counts)
+    return leaves.rebuild(summed), leaves.rebuild(counts)
