@@ -184,10 +184,19 @@ def llama_shapes(
     return shapes
 
 
-def tree_of(shapes: dict[str, tuple[int, ...]], dtype: Any) -> Tree:
+def stacked_gpt_shapes(d: int = 256, layers: int = 48) -> dict[str, Any]:
+    """`gpt2_shapes` with the blocks stacked as `nn.scan` stacks them: one leaf
+    per block parameter, the layers on its first axis (12 leaves for all)."""
+    flat = gpt2_shapes(d=d, layers=layers)
+    block = {k.split(".", 1)[1]: v for k, v in flat.items() if k.startswith("h00.")}
+    outside = {k: v for k, v in flat.items() if not k.startswith("h")}
+    return {**outside, "blocks": {k: (layers, *v) for k, v in block.items()}}
+
+
+def tree_of(shapes: dict[str, Any], dtype: Any) -> Tree:
     rng = np.random.default_rng(3)
-    leaves = _leaves(rng, list(shapes.values()), dtype)
-    return dict(zip(shapes, leaves, strict=True))
+    flat, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    return jax.tree.unflatten(treedef, _leaves(rng, flat, dtype))
 
 
 # Every tree by key (`--trees`): its label in the tables and how to build it.
@@ -207,6 +216,10 @@ TREES: dict[str, tuple[str, Callable[[], Tree]]] = {
     "gpt48L": (
         "gpt 48L f32",
         lambda: tree_of(gpt2_shapes(d=256, layers=48), jnp.float32),
+    ),
+    "gpt48L-stacked": (
+        "gpt 48L stacked f32",
+        lambda: tree_of(stacked_gpt_shapes(), jnp.float32),
     ),
     "llama1B": (
         "llama 1B f32",

@@ -22,8 +22,10 @@ it divides, as fully sharded data parallelism does; the rest replicated).
 
 The trees: ResNet-50 (161 leaves, 25.6M parameters), GPT-2 small in float32
 and bfloat16 (148 leaves, 124M), a Llama-shaped tree (8 layers of width 512,
-SwiGLU, 32k vocabulary: 75 leaves, 58M) and a 48-layer GPT-shaped tree
-(580 leaves, width 256, the layout of GPT-2 XL at a width a 2-core CPU holds).
+SwiGLU, 32k vocabulary: 75 leaves, 58M), a 48-layer GPT-shaped tree (580
+leaves, width 256, the layout of GPT-2 XL at a width a 2-core CPU holds), and
+the same 48 layers stacked as `nn.scan` stacks them (`gpt48L-stacked`: 16
+leaves, the `*_stacked` rules).
 """
 
 from __future__ import annotations
@@ -81,6 +83,26 @@ def bare_clip_by_norm(axes: Any = None) -> optax.GradientTransformation:
     return bench.stateless(lambda tree: jax.tree.map(clip, tree))
 
 
+def stacked(updates: Any) -> Any:
+    """The `stacked=` prefix of the stacked trees: their `blocks` stack layers
+    (none of the other trees has a `blocks` subtree)."""
+    return clipax.stacked_prefix(updates, path="^blocks/")
+
+
+def bare_clip_by_norm_stacked() -> optax.GradientTransformation:
+    """The bare formula with each stacked layer a tensor: the norm over every
+    axis of a `blocks` leaf but the first."""
+
+    def clip(path: Any, g: jax.Array) -> jax.Array:
+        inner = "blocks" in jax.tree_util.keystr(path)
+        axes = tuple(range(1, g.ndim)) if inner else None
+        squares = jnp.square(g.astype(jnp.float32))
+        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=inner))
+        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
+
+    return bench.stateless(lambda tree: jax.tree_util.tree_map_with_path(clip, tree))
+
+
 def _optax_global() -> optax.GradientTransformation:
     return optax.clip_by_global_norm(MAX_NORM)
 
@@ -109,6 +131,22 @@ RULES: dict[str, tuple[Callable[[], Any], Callable[[], Any], str]] = {
         "optax.adaptive_grad_clip",
     ),
     "adagc": (clipax.adagc, _optax_global, "optax.clip_by_global_norm"),
+    # On stacked trees (`gpt48L-stacked`): each layer of a block leaf a tensor.
+    "clip_by_norm_stacked": (
+        lambda: clipax.clip_by_norm(MAX_NORM, stacked=stacked),
+        bare_clip_by_norm_stacked,
+        "the bare formula per layer",
+    ),
+    "agc_stacked": (
+        lambda: clipax.adaptive_grad_clip(0.01, stacked=stacked),
+        lambda: optax.adaptive_grad_clip(0.01),
+        "optax.adaptive_grad_clip",
+    ),
+    "adagc_stacked": (
+        lambda: clipax.adagc(stacked=stacked),
+        _optax_global,
+        "optax.clip_by_global_norm",
+    ),
     "zclip": (clipax.zclip, _optax_global, "optax.clip_by_global_norm"),
     "autoclip": (clipax.autoclip, _optax_global, "optax.clip_by_global_norm"),
     "skip_spikes": (

@@ -146,6 +146,34 @@ def test_each_per_tensor_reference_computes_what_clipax_does(rule) -> None:
     ), "nothing was clipped: the comparison would prove nothing"
 
 
+def test_the_stacked_reference_computes_what_clipax_does_per_layer() -> None:
+    grads = {
+        "blocks": {"w": jnp.arange(60.0).reshape(3, 4, 5) / 10},
+        "wte": jnp.full((4,), 3.0),
+    }
+    ours, theirs = (make() for make in bench_step.RULES["clip_by_norm_stacked"][:2])
+    got = [tx.update(grads, tx.init(grads))[0] for tx in (ours, theirs)]
+    chex.assert_trees_all_close(got[0], got[1], rtol=1e-6)
+    norms = jnp.linalg.norm(got[0]["blocks"]["w"].reshape(3, -1), axis=1)
+    assert jnp.allclose(norms, 1.0)  # each layer clipped to 1 on its own
+
+
+TRAIN_SCRIPT = SCRIPT.with_name("bench_train_step.py")
+
+
+def test_train_step_benchmark_quick_run_prints_both_models() -> None:
+    lines = helpers.run_script(
+        TRAIN_SCRIPT, "--quick", "--rule", "clip_by_norm,adagc", XLA_FLAGS=None
+    ).splitlines()
+    assert lines[0].startswith("whole training step (forward, backward, rule, adamw)")
+    for rule in ("clip_by_norm", "adagc"):
+        rows = [line for line in lines if line.startswith(f"| {rule} |")]
+        cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+        assert [c[2] for c in cells] == ["unrolled", "scanned", ""], cells
+        assert cells[-1][1] == "geometric mean"
+        assert all(float(c) > 0 for c in cells[0][3:]), cells
+
+
 # The harness's own pieces, imported (the scripts' folder is not a package).
 sys.path.insert(0, str(SCRIPT.parent))
 import bench_clipping as bench  # noqa: E402
@@ -158,6 +186,9 @@ def test_tree_keys_name_the_model_shapes() -> None:
     assert len(set(labels)) == len(labels)
     assert set(bench.DEFAULT_TREES) <= set(bench.TREES)
     assert set(bench_step.STEP_TREES) <= set(bench.TREES)
+    stacked = bench.TREES["gpt48L-stacked"][1]()
+    assert bench.describe(stacked)[:2] == (16, 51_036_928)  # gpt48L's parameters
+    assert {x.shape[0] for x in jax.tree.leaves(stacked["blocks"])} == {48}
     for shapes, leaves, params in (
         (bench.gpt2_shapes(), 148, 124_439_808),
         (bench.resnet50_shapes(), 161, 25_557_032),

@@ -1,0 +1,237 @@
+"""The whole training step a user compiles: forward, backward, clip, adamw.
+
+A Flax GPT (width 256, 24 layers of 16 parameter leaves each: 390 leaves
+unrolled), once with its layers unrolled (one module per layer) and once
+stacked by `nn.scan` (one leaf per parameter, layers on its first axis). The
+step is `value_and_grad` of the next-byte loss on a batch, `tx.update` with
+`tx = chain(rule, adamw)`, and `apply_updates`, under `jax.jit`; each clipax
+rule against the step it replaces, measured with `bench_clipping`'s harness
+(both steps in one process, run times interleaved (medians), compiles after
+`jax.clear_caches()` in the order clipax, reference, reference, clipax: the
+least of each side counts). On the scanned model the per-tensor rules take
+`stacked=` (each layer a tensor of its own), and the reference of
+`clip_by_norm` is the bare formula over each layer's axes.
+
+    PYTHONPATH=src python benchmarks/bench_train_step.py             # both models
+    PYTHONPATH=src python benchmarks/bench_train_step.py --quick     # smoke run
+    PYTHONPATH=src python benchmarks/bench_train_step.py --models scanned --rule adagc
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+# The harness beside this file (its folder is on sys.path when run as a script).
+import bench_clipping as bench
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import clipax
+
+VOCAB = 256  # bytes
+MAX_NORM = 1.0
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm attention (separate q, k, v) and MLP: 16 leaves."""
+
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        batch, length, width = x.shape
+        h = nn.LayerNorm()(x)
+        q, k, v = (
+            nn.Dense(width, name=n)(h).reshape(batch, length, self.heads, -1)
+            for n in ("q", "k", "v")
+        )
+        mask = nn.make_causal_mask(jnp.ones((batch, length)))
+        attn = nn.dot_product_attention(q, k, v, mask=mask)
+        x = x + nn.Dense(width, name="out")(attn.reshape(batch, length, width))
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(4 * width, name="fc")(h)
+        return x + nn.Dense(width, name="proj")(nn.gelu(h)), None
+
+
+class GPT(nn.Module):
+    width: int
+    layers: int
+    heads: int
+    scanned: bool
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = nn.Embed(VOCAB, self.width, name="wte")(tokens)
+        pos = self.param(
+            "wpe", nn.initializers.normal(0.02), (tokens.shape[1], self.width)
+        )
+        x = x + pos
+        if self.scanned:
+            blocks = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.layers,
+            )
+            x, _ = blocks(self.width, self.heads, name="blocks")(x, None)
+        else:
+            for i in range(self.layers):
+                x, _ = Block(self.width, self.heads, name=f"block_{i}")(x)
+        x = nn.LayerNorm(name="ln_f")(x)
+        return nn.Dense(VOCAB, name="head")(x)
+
+
+def stacked(updates: Any) -> Any:
+    """The scanned model's `stacked=` prefix: its blocks' leaves stack layers."""
+    return clipax.stacked_prefix(updates, path="^params/blocks/")
+
+
+def bare_clip_by_norm(scanned: bool) -> optax.GradientTransformation:
+    """The per-tensor rule as a user writes it: `g * c / max(norm(g), c)`, the
+    norm over each layer's axes where the layers are stacked."""
+
+    def clip(path: Any, g: jax.Array) -> jax.Array:
+        inner = scanned and "blocks" in jax.tree_util.keystr(path)
+        axes = tuple(range(1, g.ndim)) if inner else None
+        squares = jnp.square(g.astype(jnp.float32))
+        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=inner))
+        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
+
+    return bench.stateless(lambda tree: jax.tree_util.tree_map_with_path(clip, tree))
+
+
+def _optax_global(scanned: bool) -> optax.GradientTransformation:
+    del scanned
+    return optax.clip_by_global_norm(MAX_NORM)
+
+
+def _per_tensor(factory: Callable[..., Any]) -> Callable[[bool], Any]:
+    """A per-tensor rule, with `stacked=` on the scanned model."""
+    return lambda scanned: factory(stacked=stacked) if scanned else factory()
+
+
+# Each rule: (clipax's, given whether the model is scanned; the reference; its label).
+RULES: dict[str, tuple[Callable[[bool], Any], Callable[[bool], Any], str]] = {
+    "clip_by_global_norm": (
+        lambda scanned: clipax.clip_by_global_norm(MAX_NORM),
+        _optax_global,
+        "optax.clip_by_global_norm",
+    ),
+    "clip_by_norm": (
+        _per_tensor(lambda **kw: clipax.clip_by_norm(MAX_NORM, **kw)),
+        bare_clip_by_norm,
+        "the bare formula (per layer)",
+    ),
+    "adagc": (_per_tensor(clipax.adagc), _optax_global, "optax.clip_by_global_norm"),
+    "zclip": (
+        lambda scanned: clipax.zclip(),
+        _optax_global,
+        "optax.clip_by_global_norm",
+    ),
+}
+MODELS = {"unrolled": False, "scanned": True}
+
+
+def train_step(
+    model: GPT, tx: optax.GradientTransformation
+) -> optax.GradientTransformation:
+    """The training step as a transformation for `bench_clipping.build`: its
+    input is a batch of tokens, its state `(params, opt_state)`."""
+
+    def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+        logits = model.apply(params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, tokens[:, 1:]
+        ).mean()
+
+    def init(tokens: jax.Array) -> tuple:
+        params = model.init(jax.random.key(0), tokens[:, :-1])
+        return params, tx.init(params)
+
+    def update(tokens: jax.Array, state: tuple, params: Any = None) -> tuple:
+        del params
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return loss, (optax.apply_updates(params, updates), opt_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--compiles", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=256)
+    bench.add_keys_option(parser, "--rule", RULES, list(RULES), "rules", list(RULES))
+    bench.add_keys_option(
+        parser, "--models", MODELS, list(MODELS), "models", list(MODELS)
+    )
+    args = parser.parse_args(argv)
+    width, layers, heads = (32, 2, 2) if args.quick else (args.width, args.layers, 4)
+    tokens = jnp.asarray(
+        np.random.default_rng(0).integers(0, VOCAB, size=(4, 65)), jnp.int32
+    )
+    print(
+        f"whole training step (forward, backward, rule, adamw), GPT width {width}, "
+        f"{layers} layers: {bench.header()}"
+    )
+    print(
+        "\n| rule | against | model | leaves | clipax run ms | reference run ms "
+        "| run ratio | clipax compile s | reference compile s | compile ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rule in args.rule:
+        ours, theirs, label = RULES[rule]
+        runs, compiles = [], []
+        for name in args.models:
+            scanned = MODELS[name]
+            model = GPT(width, layers, heads, scanned)
+            leaves = len(
+                jax.tree.leaves(
+                    jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
+                )
+            )
+            mine, ref = bench.build_pair(
+                lambda m=model, f=ours, s=scanned: train_step(
+                    m, optax.chain(f(s), optax.adamw(1e-4))
+                ),
+                lambda m=model, f=theirs, s=scanned: train_step(
+                    m, optax.chain(f(s), optax.adamw(1e-4))
+                ),
+                tokens,
+                1 if args.quick else args.compiles,
+            )
+            run_c, run_o = bench.interleaved(
+                [mine.call, ref.call], 3 if args.quick else 21
+            )
+            runs.append(run_c / run_o)
+            compiles.append(mine.compile_s / ref.compile_s)
+            print(
+                f"| {rule} | {label} | {name} | {leaves} | {run_c * 1e3:.1f} | "
+                f"{run_o * 1e3:.1f} | {runs[-1]:.3f} | {mine.compile_s:.3f} | "
+                f"{ref.compile_s:.3f} | {compiles[-1]:.3f} |",
+                flush=True,
+            )
+        if len(runs) > 1:
+            print(
+                f"| {rule} | geometric mean | | | | | {geomean(runs):.3f} | | | "
+                f"{geomean(compiles):.3f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
