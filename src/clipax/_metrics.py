@@ -44,7 +44,10 @@ def _nnx() -> Any:
 def _unwrap(node: Any) -> Any:
     """An NNX variable's value; any other node as it is."""
     nnx = _nnx()
-    return node.get_value() if nnx and isinstance(node, nnx.Variable) else node
+    if not (nnx and isinstance(node, nnx.Variable)):
+        return node
+    # `get_value` from Flax 0.12; `.value` before.
+    return node.get_value() if hasattr(type(node), "get_value") else node.value
 
 
 def _scalar(value: Any) -> jax.Array | None:
