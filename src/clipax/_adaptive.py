@@ -123,14 +123,16 @@ def tensor_rule(
     the per-tensor field holding `value` for each tensor."""
 
     def tensor_step(
-        fields: tuple[str, ...], state: S, norm: jax.Array, values: H
+        statistics: tuple[str, ...], state: S, norm: jax.Array, values: H
     ) -> tuple[dict[str, jax.Array], jax.Array]:
         """One leaf's rule (elementwise over its layers), with the NaN rule,
         and its clip factor."""
         threshold, stepped = rule(state, norm, values)
         threshold = threshold.astype(norm.dtype)
         finite = jnp.isfinite(norm)
-        new = {f: _kept(finite, getattr(stepped, f), getattr(state, f)) for f in fields}
+        new = {
+            f: _kept(finite, getattr(stepped, f), getattr(state, f)) for f in statistics
+        }
         new["thresholds"] = _kept(finite, threshold, state.thresholds)
         new["norms"] = norm
         return new, _engine.clip_factor(norm, threshold)
@@ -183,9 +185,10 @@ def tensor_rule(
             ),
             strict=True,
         )
+        statistics = tuple(f for f in fields if f not in ("norms", "thresholds"))
         steps = [
             step(
-                fields,
+                statistics,
                 state._replace(**dict(zip(fields, own, strict=True))),
                 norm,
                 values,

@@ -455,20 +455,26 @@ def norm_of_layer_norms(
     tensor), scaled by `pow2_scale` of the largest; NaN if a norm is NaN, else
     inf if one is inf. Where a tensor's layers are split across devices
     (`layer_axes`: per tensor, the mesh axes that split its stacked axes),
-    both are completed across them, so that every device has the same; no
-    tensor's norms are moved (they may be split over explicit mesh axes)."""
+    both are completed across them, so that every device has the same."""
     if not norms:
         return jnp.zeros((), np.float32), jnp.asarray(True)
-    peak = jnp.max(jnp.stack([jnp.max(n, initial=0.0) for n in norms]))
-    broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(n)) for n in norms]))
-    sets = [names for names in dict.fromkeys(layer_axes or []) if names]
+    layer_axes = list(layer_axes or [()] * len(norms))
+    # One vector of the scalars (a few operations whatever their number); a
+    # stacked tensor's norms kept apart (they may be split over mesh axes).
+    scalars = [n for n in norms if n.ndim == 0]
+    parts = [n for n in norms if n.ndim] + ([jnp.stack(scalars)] if scalars else [])
+    axes = [a for n, a in zip(norms, layer_axes, strict=True) if n.ndim]
+    axes += [()] if scalars else []
+    sets = [names for names in dict.fromkeys(axes) if names]
+    peak = jnp.max(jnp.stack([jnp.max(part, initial=0.0) for part in parts]))
+    broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(part)) for part in parts]))
     if sets:
         peak = _placement.pmax_everywhere(peak, sets)
         broken = _placement.pmax_everywhere(broken, sets)
     scale = pow2_scale(jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0))
-    sums = [jnp.sum(jnp.square(n * scale)) for n in norms]
+    sums = [jnp.sum(jnp.square(part * scale)) for part in parts]
     if sets:
-        sums = _placement.psum_each(sums, list(layer_axes or []))
+        sums = _placement.psum_each(sums, axes)
     total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
 
