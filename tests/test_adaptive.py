@@ -81,18 +81,23 @@ def test_adagc_rule_is_the_papers_formula():
     """Wang et al., eqs. 6-7: h_i = min(1, lambda_rel gamma_i / |g_i|),
     gamma_i <- beta gamma_i + (1 - beta) |h_i g_i|; warm-up: GlobalGC at
     lambda_abs, gamma_i = min of the clipped norms."""
-    rule = functools.partial(adagc_rule, clip_ratio=1.04, alpha=0.9)
     inf = math.inf
 
     def step(state, norms, count):
         # The rule on a vector of norms: each entry is one tensor's step.
         state = state._replace(count=jnp.int32(count))
         total = _engine.norm_of_norms(norms)
-        shared = adagc_shared(state, total, max_norm=2.0, warmup_steps=2)
-        return rule(state, norms, shared)
+        shared = adagc_shared(
+            state, total, max_norm=2.0, warmup_steps=2, clip_ratio=1.04, alpha=0.9
+        )
+        return adagc_rule(state, norms, shared)
 
     state = clipax.AdaGCState(
-        ema=jnp.full(3, inf), count=jnp.int32(0), norm=0, norms=0, thresholds=0
+        ema=jnp.full(3, inf),
+        count=jnp.int32(0),
+        norm=jnp.float32(0),
+        norms=0,
+        thresholds=0,
     )
     norms = jnp.array([3.0, 4.0, 0.0], jnp.float32)  # global 5, clipped to 2
     threshold, state = step(state, norms, 0)

@@ -36,29 +36,41 @@ class AdaGCState(NamedTuple):
 
 
 class Shared(NamedTuple):
-    """What every tensor's AdaGC step reads, once per step."""
+    """What every tensor's AdaGC step reads, computed once per step (each
+    operation of the tensor's step is compiled once per leaf)."""
 
     warming: jax.Array  # bool scalar: the step is in the warm-up
     factor: jax.Array  # scalar: the warm-up's global clip factor
+    ratio: jax.Array  # `clip_ratio`, in the statistics' dtype
+    alpha: jax.Array  # `alpha`, likewise
+    rest: jax.Array  # 1 - `alpha`
 
 
 def adagc_shared(
-    state: AdaGCState, total: jax.Array, *, max_norm: ArrayLike, warmup_steps: int
+    state: AdaGCState,
+    total: jax.Array,
+    *,
+    max_norm: ArrayLike,
+    warmup_steps: int,
+    clip_ratio: ArrayLike,
+    alpha: ArrayLike,
 ) -> Shared:
-    return Shared(state.count < warmup_steps, _engine.clip_factor(total, max_norm))
+    dtype = state.norm.dtype
+    a = jnp.asarray(alpha, dtype)
+    return Shared(
+        warming=state.count < warmup_steps,
+        factor=_engine.clip_factor(total, max_norm),
+        ratio=jnp.asarray(clip_ratio, dtype),
+        alpha=a,
+        rest=1 - a,
+    )
 
 
 def adagc_rule(
-    state: AdaGCState,
-    norm: jax.Array,
-    shared: Shared,
-    *,
-    clip_ratio: ArrayLike,
-    alpha: ArrayLike,
+    state: AdaGCState, norm: jax.Array, shared: Shared
 ) -> tuple[jax.Array, AdaGCState]:
     """AdaGC's step for one tensor's `norm` (docs/semantics.md, "AdaGC")."""
     ema = state.ema
-    dtype = ema.dtype
     unseen = ema == np.inf
 
     # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
@@ -69,9 +81,8 @@ def adagc_rule(
     # After: the tensor clipped to `clip_ratio` times its EMA, which then
     # follows the clipped norm; the tensor's first nonzero norm starts it.
     previous = jnp.where(unseen, norm, ema)
-    limit = jnp.asarray(clip_ratio, dtype) * previous
-    a = jnp.asarray(alpha, dtype)
-    ema_after = a * previous + (1 - a) * jnp.minimum(norm, limit)
+    limit = shared.ratio * previous
+    ema_after = shared.alpha * previous + shared.rest * jnp.minimum(norm, limit)
     ema_after = jnp.where(unseen & (norm == 0), ema, ema_after)
 
     threshold = jnp.where(shared.warming, warm_clipped, limit)
@@ -156,8 +167,14 @@ def adagc(
     return _adaptive.tensor_rule(
         "adagc",
         init,
-        functools.partial(adagc_shared, max_norm=max_norm, warmup_steps=warmup),
-        functools.partial(adagc_rule, clip_ratio=clip_ratio, alpha=alpha),
+        functools.partial(
+            adagc_shared,
+            max_norm=max_norm,
+            warmup_steps=warmup,
+            clip_ratio=clip_ratio,
+            alpha=alpha,
+        ),
+        adagc_rule,
         stacked=stacked,
         specs=specs,
         axis_name=names,

@@ -37,21 +37,28 @@ _R = TypeVar("_R", bound="RuleState")
 
 
 class RuleState(Protocol):
-    """The fields every adaptive rule's state has."""
+    """The fields every adaptive rule's state has (a NamedTuple's, read-only)."""
 
-    count: jax.Array  # int32 scalar: steps whose norms were all finite
-    norm: jax.Array  # scalar: the last update's pre-clip global norm
+    @property
+    def count(self) -> jax.Array: ...  # int32 scalar: steps whose norms were finite
 
-    def _replace(self: _R, **changes: Any) -> _R: ...
+    @property
+    def norm(self) -> jax.Array: ...  # scalar: the last update's pre-clip global norm
+
+    def _replace(self: _R, *args: Any, **changes: Any) -> _R: ...
 
 
 class GlobalRuleState(RuleState, Protocol):
-    threshold: jax.Array  # scalar: the last threshold (inf before any)
+    @property
+    def threshold(self) -> jax.Array: ...  # scalar: the last threshold (inf first)
 
 
 class TensorRuleState(RuleState, Protocol):
-    norms: Any  # one pre-clip norm per tensor
-    thresholds: Any  # one threshold per tensor (inf before any)
+    @property
+    def norms(self) -> Any: ...  # one pre-clip norm per tensor
+
+    @property
+    def thresholds(self) -> Any: ...  # one threshold per tensor (inf first)
 
 
 S = TypeVar("S", bound=TensorRuleState)
