@@ -68,6 +68,11 @@ def _moments(
     return mean + w * delta, (1 - w) * (variance + w * jnp.square(delta))
 
 
+def _bump(flag: jax.Array, count: jax.Array) -> jax.Array:
+    """`count` + 1 where `flag` (saturating at 2**31 - 1)."""
+    return jnp.where(flag, optax.safe_int32_increment(count), count)
+
+
 def _outlier(
     x: jax.Array,
     count: jax.Array,
@@ -223,44 +228,30 @@ def skip_spikes(
         )
 
         mean, variance = _moments(norm, n, state.norm_mean, state.norm_variance, alpha)
-        loss_fields = {
-            "loss": state.loss,
-            "loss_count": state.loss_count,
-            "loss_mean": state.loss_mean,
-            "loss_variance": state.loss_variance,
-        }
-        if loss is not None:
-            loss_mean, loss_variance = _moments(
-                value, state.loss_count, state.loss_mean, state.loss_variance, alpha
-            )
-            loss_fields = {
-                "loss": value,
-                "loss_count": jnp.where(
-                    accept,
-                    optax.safe_int32_increment(state.loss_count),
-                    state.loss_count,
-                ),
-                "loss_mean": jnp.where(accept, loss_mean, state.loss_mean),
-                "loss_variance": jnp.where(accept, loss_variance, state.loss_variance),
-            }
-        new_state = SkipSpikesState(
+        new_state = state._replace(
             inner_state=inner_state,
             skipped=skip,
             forced=forced,
-            skipped_count=jnp.where(
-                skip,
-                optax.safe_int32_increment(state.skipped_count),
-                state.skipped_count,
-            ),
+            skipped_count=_bump(skip, state.skipped_count),
             consecutive_skips=jnp.where(
                 skip, optax.safe_int32_increment(state.consecutive_skips), 0
             ),
-            accepted_count=jnp.where(accept, optax.safe_int32_increment(n), n),
+            accepted_count=_bump(accept, n),
             norm=norm,
             norm_mean=jnp.where(accept, mean, state.norm_mean),
             norm_variance=jnp.where(accept, variance, state.norm_variance),
-            **loss_fields,
         )
+        if loss is not None:
+            count = state.loss_count
+            mean, variance = _moments(
+                value, count, state.loss_mean, state.loss_variance, alpha
+            )
+            new_state = new_state._replace(
+                loss=value,
+                loss_count=_bump(accept, count),
+                loss_mean=jnp.where(accept, mean, state.loss_mean),
+                loss_variance=jnp.where(accept, variance, state.loss_variance),
+            )
         return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
