@@ -351,3 +351,15 @@ def test_group_norms_in_shard_map_equal_one_device(split: Any) -> None:
     got = fn(_place(grads, mesh, split))
     assert list(got) == list(want)
     chex.assert_trees_all_close(got, want, rtol=2e-6)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("split", [_layer_split, _inner_split], ids=["layers", "inner"])
+def test_group_norms_sharded_under_jit_equal_one_device(split: Any) -> None:
+    mesh = jax.make_mesh((4,), ("d",))
+    grads = stacked_tree(10)
+    fn = jax.jit(lambda g: clipax.tree.group_norms(g, depth=3, stacked=STACKED))
+    want = fn(grads)
+    got = fn(_place(grads, mesh, split))
+    assert list(got) == list(want)
+    chex.assert_trees_all_close(got, want, rtol=2e-6)

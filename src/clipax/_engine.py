@@ -479,6 +479,18 @@ def norm_of_layer_norms(
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
 
 
+def entry(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
+    """`array[index]`; where the array is split over explicit mesh axes, as a
+    masked sum, which needs no resharding (indexing would)."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    if sharding is None or all(entry is None for entry in sharding.spec):
+        return array[index]
+    hit = jnp.ones(array.shape, bool)
+    for dim, i in enumerate(index):
+        hit &= jax.lax.broadcasted_iota(jnp.int32, array.shape, dim) == i
+    return jnp.sum(jnp.where(hit, array, jnp.zeros_like(array)))
+
+
 def layer_norms(
     leaves: _checks.Leaves, placements: Placements | None = None
 ) -> list[jax.Array]:

@@ -76,18 +76,6 @@ def _add_clip_facts(stats: dict[str, jax.Array], where: str) -> None:
         _put(stats, _join(where, "clip_factor"), _engine.clip_factor(n, t))
 
 
-def _entry(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
-    """`array[index]`; where the array is split over explicit mesh axes, as a
-    masked sum, which needs no resharding (indexing would)."""
-    sharding = getattr(jax.typeof(array), "sharding", None)
-    if sharding is None or all(entry is None for entry in sharding.spec):
-        return array[index]
-    hit = jnp.ones(array.shape, bool)
-    for dim, i in enumerate(index):
-        hit &= jax.lax.broadcasted_iota(jnp.int32, array.shape, dim) == i
-    return jnp.sum(jnp.where(hit, array, jnp.zeros_like(array)))
-
-
 def _per_tensor(field: str, stat: str, value: Any) -> dict[str, jax.Array]:
     """One entry per tensor, `<tensor path>/<stat>` (the empty path `root`);
     for a stacked tensor, one per layer, its index in the path where the
@@ -124,7 +112,9 @@ def _per_tensor(field: str, stat: str, value: Any) -> dict[str, jax.Array]:
             )
         seen[where] = paths[j]
         array = jnp.asarray(arrays[j])
-        out[_join(where, stat)] = array if index is None else _entry(array, index)
+        out[_join(where, stat)] = (
+            array if index is None else _engine.entry(array, index)
+        )
     return out
 
 

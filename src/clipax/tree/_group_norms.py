@@ -168,7 +168,7 @@ def group_norms(
         where = None if placements is None else [placements[i] for i in whole]
         norm = _engine.global_norm([leaves.arrays[i] for i in whole], p, where)
         layers = [
-            layer_norms[leaf][index]
+            _engine.entry(layer_norms[leaf], index)
             for leaf, index, _ in (members[m] for m in group_members)
             if index is not None
         ]
