@@ -519,6 +519,12 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`z_threshold` and `z_thresh`",
     ),
     (
+        "zclip eps zero",
+        lambda t: clipax.zclip(eps=0.0),
+        ValueError,
+        r"`eps` must be a finite real number > 0; got 0.0",
+    ),
+    (
         "zclip max_grad_norm zero",
         lambda t: clipax.zclip(max_grad_norm=0.0),
         ValueError,
