@@ -1,0 +1,639 @@
+"""Every clipping rule on a small scanned GPT trained on real text, LR by LR.
+
+A byte-level GPT (Flax linen, its transformer blocks under `nn.scan`) learns
+the Python standard library's own source, which every machine has offline:
+the `*.py` files directly in `sysconfig.get_paths()["stdlib"]`, sorted by
+name, read as bytes (vocabulary 256). Every 10th file (the 10th, 20th, ...)
+is held out; the rest is the training text. Training batches are random
+windows drawn by a seeded numpy Generator; the held-out loss is taken at the
+end on a fixed set of evenly spaced held-out windows.
+
+Each rule is chained before AdamW (constant learning rate, no warm-up, Adam's
+default eps and betas; activations in bfloat16 by default, `--dtype`), from
+the same initialisation and on the same batches for a given seed:
+
+- none: `adamw` alone;
+- optax.clip: `chain(optax.clip_by_global_norm(1.0), adamw)`;
+- clipax.clip: `chain(clipax.clip_by_global_norm(1.0), adamw)`;
+- zclip, autoclip: `chain(clipax.zclip(), adamw)`, `chain(clipax.autoclip(),
+  adamw)` (their defaults);
+- adagc: `chain(clipax.adagc(stacked=prefix), adamw)`, per tensor and per
+  layer of the scanned blocks, `prefix` from `clipax.stacked_prefix`;
+- skip_spikes: `clipax.skip_spikes(chain(clipax.clip_by_global_norm(1.0),
+  adamw))`, given the loss too (`tx.update(grads, state, params, loss=loss)`).
+
+The learning rates run from one where every run is smooth (3e-3) to one where
+every run diverges (0.3); in between (3e-2) the loss may jump in the first
+steps, as Adam without warm-up overshoots. Measured per rule and learning
+rate, over the seeds:
+
+- loss spikes: a step whose training loss is above `SPIKE_RATIO` (1.3) times
+  the exponential moving average (decay 0.9, started at the first loss) of
+  the losses of the steps before it, or is non-finite; consecutive such
+  steps count as one spike;
+- clipped steps: the rule's `clipped` metric (adagc: any tensor clipped;
+  optax's clip: the global norm above 1.0, checked here; skip_spikes: its
+  inner clip, on the steps it took);
+- skipped steps: skip_spikes' `skipped` metric;
+- the held-out loss at the end, and whether the run diverged: a non-finite
+  loss (the run stops there), or a final held-out loss above the unigram
+  entropy of the training bytes (what predicting byte frequencies alone
+  gets, about 3.15 nats): the model knows no more than that.
+
+Every step of every run logs `clipax.metrics(opt_state)`, the per-layer
+gradient norms of the scanned blocks (`clipax.tree.group_norms(grads, depth=3,
+stacked=prefix)`: `grads/params/blocks/<layer>/norm`) and the global norm
+(`grads/norm`) to `lm_spikes_metrics.jsonl`, one line per run and step. The
+script prints one summary line per rule and learning rate and writes
+`lm_spikes.png`: the loss curves of every rule at the learning rate and seed
+where a spike of the unclipped run stands highest above the clipped runs, the
+per-layer gradient norms around that spike, and the held-out loss against the
+learning rate.
+
+Run from the repository root:
+
+    python examples/lm_spikes.py             # 3 rates x 1 seed x 150 steps: minutes
+    python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: 30-40 min
+    python examples/lm_spikes.py --seeds 3 --lrs 0.01 0.03   # a part of the study
+    python examples/lm_spikes.py --steps 8 --lrs 0.01        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sysconfig
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import optax
+from flax import linen as nn
+from tqdm import tqdm
+
+import clipax
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+OUTPUT = "lm_spikes.png"
+LOG = "lm_spikes_metrics.jsonl"  # one line per run and step
+VOCAB = 256  # bytes
+SEQ = 128
+BATCH = 16
+D_MODEL = 64
+LAYERS = 2
+HEADS = 4
+HOLD_OUT_EVERY = 10  # every 10th file (by sorted name) is held out
+EVAL_WINDOWS = 64
+MAX_NORM = 1.0  # the fixed rules' threshold
+SPIKE_RATIO = 1.3  # a loss spike: loss > SPIKE_RATIO * EMA of the losses before
+SPIKE_DECAY = 0.9
+SPIKE_FROM = 1  # the first step tested for a spike
+DEFAULT = {"steps": 150, "seeds": 1, "lrs": [0.003, 0.03, 0.3]}
+FULL = {"steps": 400, "seeds": 3, "lrs": [0.003, 0.01, 0.03, 0.1, 0.3]}
+RULES = (
+    "none",
+    "optax.clip",
+    "clipax.clip",
+    "zclip",
+    "adagc",
+    "autoclip",
+    "skip_spikes",
+)
+COLORS = {
+    "none": "tab:gray",
+    "optax.clip": "tab:cyan",
+    "clipax.clip": "tab:blue",
+    "zclip": "tab:green",
+    "adagc": "tab:red",
+    "autoclip": "tab:orange",
+    "skip_spikes": "tab:brown",
+}
+
+
+# -- data ---------------------------------------------------------------------
+
+
+def load_text() -> tuple[np.ndarray, np.ndarray, int]:
+    """The standard library's top-level `*.py` files as bytes: the training
+    text, the held-out text (every `HOLD_OUT_EVERY`-th file by name) and the
+    number of files."""
+    folder = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(folder.glob("*.py"), key=lambda p: p.name)
+    train, held = [], []
+    for i, path in enumerate(files):
+        part = held if i % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1 else train
+        part.append(path.read_bytes())
+    joined = [np.frombuffer(b"\n".join(part), np.uint8) for part in (train, held)]
+    return joined[0], joined[1], len(files)
+
+
+def unigram_entropy(text: np.ndarray) -> float:
+    """The entropy (nats) of the byte frequencies: the loss of a model that
+    predicts every byte from the frequencies alone."""
+    p = np.bincount(text, minlength=VOCAB) / text.size
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum())
+
+
+def batches(text: np.ndarray, steps: int, seed: int) -> np.ndarray:
+    """`steps` batches of `BATCH` random windows of `SEQ + 1` bytes, int32:
+    the same for every rule and learning rate of a seed."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, text.size - SEQ - 1, size=(steps, BATCH))
+    return text[starts[..., None] + np.arange(SEQ + 1)].astype(np.int32)
+
+
+def eval_windows(text: np.ndarray) -> np.ndarray:
+    """`EVAL_WINDOWS` evenly spaced windows of the held-out text: fixed."""
+    starts = np.linspace(0, text.size - SEQ - 1, EVAL_WINDOWS).astype(int)
+    return text[starts[:, None] + np.arange(SEQ + 1)].astype(np.int32)
+
+
+# -- model --------------------------------------------------------------------
+
+normal = nn.initializers.normal(0.02)
+zeros = nn.initializers.zeros_init()
+ones = nn.initializers.ones_init()
+
+
+def logical(init: Callable[..., Any], names: tuple[str, ...]) -> Any:
+    """`init` with logical axis names: `nn.scan` puts "layers" before them."""
+    return nn.with_logical_partitioning(init, names)
+
+
+def layer_norm(dtype: Any, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        dtype=dtype,
+        scale_init=logical(ones, ("embed",)),
+        bias_init=logical(zeros, ("embed",)),
+        name=name,
+    )
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a GELU
+    MLP, each added to the residual stream. Scanned: `(x, None) -> (x, None)`."""
+
+    d_model: int
+    heads: int
+    dtype: Any
+
+    def dense(self, features: int, names: tuple[str, str], name: str) -> nn.Dense:
+        return nn.Dense(
+            features,
+            dtype=self.dtype,
+            kernel_init=logical(normal, names),
+            bias_init=logical(zeros, names[1:]),
+            name=name,
+        )
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        b, t, d = x.shape
+        head = d // self.heads
+        h = layer_norm(self.dtype, "ln1")(x)
+        qkv = self.dense(3 * d, ("embed", "qkv"), "qkv")(h)
+        qkv = qkv.reshape(b, t, 3 * self.heads, head)
+        q, k, v = jnp.split(qkv, 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores / math.sqrt(head), -1e9)
+        weights = jax.nn.softmax(scores).astype(self.dtype)
+        y = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+        x = x + self.dense(d, ("qkv", "embed"), "attn_out")(y)
+        h = layer_norm(self.dtype, "ln2")(x)
+        h = nn.gelu(self.dense(4 * d, ("embed", "mlp"), "mlp_in")(h))
+        return x + self.dense(d, ("mlp", "embed"), "mlp_out")(h), None
+
+
+class GPT(nn.Module):
+    """Token and learned position embeddings, `layers` scanned blocks, a final
+    LayerNorm and the output head tied to the token embedding. Parameters
+    are float32; `dtype` is that of the activations."""
+
+    layers: int = LAYERS
+    d_model: int = D_MODEL
+    heads: int = HEADS
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        embed = nn.Embed(
+            VOCAB,
+            self.d_model,
+            dtype=self.dtype,
+            embedding_init=logical(normal, ("vocab", "embed")),
+            name="embed",
+        )
+        pos = self.param("pos", logical(normal, ("seq", "embed")), (SEQ, self.d_model))
+        x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
+        blocks = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=self.layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x, _ = blocks(self.d_model, self.heads, self.dtype, name="blocks")(x, None)
+        x = layer_norm(self.dtype, "ln_final")(x)
+        return embed.attend(x).astype(jnp.float32)
+
+
+def cross_entropy(model: GPT, params: Any, windows: jax.Array) -> jax.Array:
+    """The mean next-byte loss over `windows` (each `SEQ + 1` bytes)."""
+    logits = model.apply(params, windows[:, :-1])
+    labels = windows[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+# -- the rules ----------------------------------------------------------------
+
+
+def optimizer(rule: str, lr: Any, prefix: Any) -> optax.GradientTransformation:
+    """The whole optimizer of `rule`; `lr` may be traced (one compilation per
+    rule serves every learning rate)."""
+    adamw = optax.adamw(lr)  # b1 0.9, b2 0.999, eps 1e-8, weight decay 1e-4
+    if rule == "none":
+        return adamw
+    if rule == "optax.clip":
+        return optax.chain(optax.clip_by_global_norm(MAX_NORM), adamw)
+    if rule == "clipax.clip":
+        return optax.chain(clipax.clip_by_global_norm(MAX_NORM), adamw)
+    if rule == "zclip":
+        return optax.chain(clipax.zclip(), adamw)
+    if rule == "adagc":
+        return optax.chain(clipax.adagc(stacked=prefix), adamw)
+    if rule == "autoclip":
+        return optax.chain(clipax.autoclip(), adamw)
+    if rule == "skip_spikes":
+        return clipax.skip_spikes(
+            optax.chain(clipax.clip_by_global_norm(MAX_NORM), adamw)
+        )
+    raise ValueError(f"unknown rule {rule!r}")
+
+
+class Trainer:
+    """The jitted steps: one gradient step for every rule (it also takes the
+    per-layer norms), one update step per rule, one held-out evaluation."""
+
+    def __init__(self, model: GPT, prefix: Any) -> None:
+        self.model, self.prefix = model, prefix
+
+        def grad_step(params: Any, windows: jax.Array) -> Any:
+            loss, grads = jax.value_and_grad(
+                lambda p: cross_entropy(model, p, windows)
+            )(params)
+            norms = clipax.tree.group_norms(
+                grads, depth=3, stacked=prefix, key_prefix="grads"
+            )
+            norms["grads/norm"] = clipax.tree.global_norm(grads)
+            return loss, grads, norms
+
+        def update_step(
+            rule: str, grads: Any, opt_state: Any, params: Any, lr: Any, loss: Any
+        ) -> Any:
+            tx = optimizer(rule, lr, prefix)
+            if rule == "skip_spikes":  # it tests the loss too
+                updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+            else:
+                updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, opt_state, clipax.metrics(opt_state)
+
+        self.grad_step = jax.jit(grad_step)
+        self.update_step = jax.jit(update_step, static_argnums=0)
+        self.evaluate = jax.jit(lambda p, w: cross_entropy(model, p, w))
+
+
+# -- one run ------------------------------------------------------------------
+
+
+def spike_steps(loss: np.ndarray) -> np.ndarray:
+    """The steps that are loss spikes as the docstring defines them: above
+    `SPIKE_RATIO` times the EMA of the losses before them, or non-finite."""
+    out = np.zeros(loss.size, bool)
+    ema = float(loss[0])
+    for t in range(SPIKE_FROM, loss.size):
+        value = float(loss[t])
+        out[t] = not value <= SPIKE_RATIO * ema  # NaN: a spike
+        if not math.isfinite(value):
+            break
+        ema = SPIKE_DECAY * ema + (1 - SPIKE_DECAY) * value
+    return out
+
+
+def events(steps: np.ndarray) -> list[tuple[int, int]]:
+    """The runs of consecutive spike steps: (first, last) of each."""
+    edges = np.diff(np.concatenate([[0], steps.astype(int), [0]]))
+    return list(
+        zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1, strict=True)
+    )
+
+
+def flags(rule: str, metrics: dict[str, float], norm: float) -> tuple[bool, bool]:
+    """Whether the step was clipped and whether it was skipped, from the
+    metrics (`norm`, the global norm, for optax's clip, which keeps none)."""
+    skipped = any(v for k, v in metrics.items() if k.endswith("/skipped"))
+    if rule == "none":
+        clipped = False
+    elif rule == "optax.clip":
+        clipped = norm > MAX_NORM
+    else:  # a skipped step's inner state (and flag) is the step before's
+        clipped = not skipped and any(
+            v for k, v in metrics.items() if k.endswith("/clipped")
+        )
+    return clipped, skipped
+
+
+def train(
+    trainer: Trainer,
+    rule: str,
+    lr: float,
+    seed: int,
+    params: Any,
+    data: np.ndarray,
+    held_out: np.ndarray,
+    log: TextIO,
+    bar: tqdm,
+) -> dict[str, Any]:
+    """Trains from `params` on the batches `data` with `rule` at `lr`; logs
+    every step to `log`. Stops at a non-finite loss."""
+    steps = data.shape[0]
+    opt_state = optimizer(rule, lr, trainer.prefix).init(params)
+    loss_curve = np.full(steps, np.nan)
+    layer_norms: dict[str, np.ndarray] = {}
+    clipped = skipped = 0
+    lr_array = jnp.asarray(lr, jnp.float32)
+    for t in range(steps):
+        loss, grads, norms = trainer.grad_step(params, data[t])
+        params, opt_state, metrics = trainer.update_step(
+            rule, grads, opt_state, params, lr_array, loss
+        )
+        loss, norms, metrics = jax.device_get((loss, norms, metrics))
+        norms = {k: float(v) for k, v in norms.items()}
+        metrics = {k: float(v) for k, v in metrics.items()}
+        row = {"rule": rule, "lr": lr, "seed": seed, "step": t, "loss": float(loss)}
+        logged = {k: float(f"{v:.6g}") for k, v in {**norms, **metrics}.items()}
+        log.write(json.dumps({**row, **logged}) + "\n")
+        loss_curve[t] = float(loss)
+        for key, value in norms.items():
+            if "/blocks/" in key:
+                layer_norms.setdefault(key, np.full(steps, np.nan))[t] = value
+        was_clipped, was_skipped = flags(rule, metrics, norms["grads/norm"])
+        clipped += was_clipped
+        skipped += was_skipped
+        bar.update()
+        bar.set_postfix(rule=rule, loss=f"{float(loss):.3f}", refresh=False)
+        if not math.isfinite(float(loss)):
+            bar.update(steps - 1 - t)
+            break
+    held = float(trainer.evaluate(params, held_out))
+    return {
+        "loss": loss_curve,
+        "layer_norms": layer_norms,
+        "held_out": held,
+        "clipped": clipped,
+        "skipped": skipped,
+        "spike_steps": spike_steps(loss_curve),
+        "spikes": len(events(spike_steps(loss_curve))),
+        "finite": bool(np.isfinite(loss_curve).all()),
+    }
+
+
+# -- summary and figure -------------------------------------------------------
+
+
+def diverged(run: dict[str, Any], bound: float) -> bool:
+    return not run["finite"] or not run["held_out"] <= bound
+
+
+def summary(
+    runs: dict[tuple[str, float, int], dict[str, Any]], lrs: list[float], bound: float
+) -> list[str]:
+    """One line per rule and learning rate: means over the seeds."""
+    seeds = sorted({seed for _, _, seed in runs})
+    head = (
+        f"{'rule':>12} {'lr':>8} {'seeds':>5} {'spikes':>7} {'clipped':>8} "
+        f"{'skipped':>8} {'held-out':>9} {'diverged':>8}"
+    )
+    lines = [head]
+    for lr in lrs:
+        for rule in RULES:
+            group = [runs[rule, lr, seed] for seed in seeds]
+            held = [r["held_out"] for r in group if math.isfinite(r["held_out"])]
+            spikes, clipped, skipped = (
+                float(np.mean([r[key] for r in group]))
+                for key in ("spikes", "clipped", "skipped")
+            )
+            lines.append(
+                f"{rule:>12} {lr:8.0e} {len(group):5d} {spikes:7.2f} "
+                f"{clipped:8.1f} {skipped:8.1f} "
+                f"{float(np.mean(held)) if held else math.nan:9.3f} "
+                f"{sum(diverged(r, bound) for r in group):4d}/{len(group)}"
+            )
+    return lines
+
+
+def pick(
+    runs: dict[tuple[str, float, int], dict[str, Any]], lrs: list[float]
+) -> tuple[float, int, int]:
+    """The unclipped run's spike that stands highest above the clipped runs
+    (its loss over their median loss, at its worst step): its learning rate,
+    seed and first step. Without a spike: the highest rate, the first seed and
+    the step of the unclipped run's highest loss."""
+    best: tuple[float, float, int, int] | None = None
+    for (rule, lr, seed), run in runs.items():
+        if rule != "none":
+            continue
+        others = np.median([runs[r, lr, seed]["loss"] for r in RULES[1:]], axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            excess = np.where(np.isfinite(run["loss"]), run["loss"] / others, np.inf)
+        excess = np.nan_to_num(excess, nan=0.0)
+        for first, last in events(run["spike_steps"]):
+            height = float(excess[first : last + 1].max())
+            if best is None or height > best[0]:
+                best = (height, lr, seed, int(first))
+    if best is None:
+        seed = min(s for _, _, s in runs)
+        loss = runs["none", max(lrs), seed]["loss"]
+        return max(lrs), seed, int(np.argmax(np.nan_to_num(loss, nan=np.inf)))
+    return best[1:]
+
+
+def plot(
+    runs: dict[tuple[str, float, int], dict[str, Any]],
+    lrs: list[float],
+    bound: float,
+) -> tuple[float, int, int]:
+    """Loss curves of every rule at the learning rate and seed of the spike
+    `pick` picks, the per-layer gradient norms around it (unclipped and
+    adagc), and the held-out loss against the learning rate. Returns the
+    spike's learning rate, seed and step."""
+    lr, seed, at = pick(runs, lrs)
+    fig = plt.figure(figsize=(14, 9))
+    grid = fig.add_gridspec(2, 2, height_ratios=[1.3, 1])
+    top = fig.add_subplot(grid[0, :])
+    for name in RULES:
+        run = runs[name, lr, seed]
+        style = "--" if name == "optax.clip" else "-"
+        label = f"{name}: {run['spikes']} spikes, held-out {run['held_out']:.3f}"
+        top.plot(run["loss"], style, color=COLORS[name], lw=1, label=label)
+    top.axvline(at, color="red", alpha=0.3, lw=3)
+    top.set(yscale="log", xlabel="step", ylabel="training loss (batch, nats)")
+    top.set_title(
+        f"byte-level GPT on the Python stdlib, AdamW lr {lr:g}, seed {seed}; red: "
+        + (
+            f"the unclipped run's spike highest above the others starts (step {at})"
+            if runs["none", lr, seed]["spikes"]
+            else f"no unclipped spike, its highest loss (step {at})"
+        )
+    )
+    top.legend(ncol=2, fontsize=8, frameon=False)
+    top.grid(alpha=0.3)
+
+    near = fig.add_subplot(grid[1, 0])
+    steps = len(runs["none", lr, seed]["loss"])
+    x = np.arange(max(0, at - 40), min(steps, at + 41))
+    palette = ("tab:purple", "tab:olive", "tab:pink", "tab:cyan", "tab:brown")
+    for name, style in (("none", "-"), ("adagc", ":")):
+        norms = runs[name, lr, seed]["layer_norms"]
+        for i, (key, values) in enumerate(sorted(norms.items())):
+            layer = key.split("/blocks/")[1].split("/")[0]
+            near.plot(
+                x,
+                values[x],
+                style,
+                color=palette[i % len(palette)],
+                label=f"{name}: block {layer}",
+            )
+    near.axvline(at, color="red", alpha=0.3, lw=3)
+    near.set(yscale="log", xlabel="step", ylabel="gradient norm (before clipping)")
+    near.set_title(
+        "per-layer gradient norms of the scanned blocks around the spike",
+        fontsize=10,
+    )
+    near.legend(fontsize=8, frameon=False)
+    near.grid(alpha=0.3)
+
+    sweep = fig.add_subplot(grid[1, 1])
+    seeds = sorted({s for _, _, s in runs})
+    for name in RULES:
+        held = [np.mean([runs[name, r, s]["held_out"] for s in seeds]) for r in lrs]
+        gone = [any(diverged(runs[name, r, s], bound) for s in seeds) for r in lrs]
+        capped = np.clip(np.nan_to_num(held, nan=10.0, posinf=10.0), None, 10.0)
+        style = "--" if name == "optax.clip" else "-"
+        sweep.plot(lrs, capped, style, marker="o", color=COLORS[name], label=name)
+        for r, h, g in zip(lrs, capped, gone, strict=True):
+            if g:
+                sweep.plot(r, h, "x", color="black", ms=10)
+    sweep.axhline(bound, color="black", lw=1, alpha=0.5)
+    sweep.annotate(
+        "unigram entropy",
+        (lrs[0], bound),
+        fontsize=8,
+        xytext=(2, 3),
+        textcoords="offset points",
+    )
+    sweep.set(
+        xscale="log",
+        xlabel="learning rate",
+        ylabel="held-out loss at the end (capped at 10)",
+    )
+    sweep.set_title(
+        f"held-out loss, mean of {len(seeds)} seed(s); x: a run diverged",
+        fontsize=10,
+    )
+    sweep.legend(fontsize=8, ncol=2, frameon=False)
+    sweep.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(OUTPUT, dpi=100)
+    plt.close(fig)
+    return lr, seed, at
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="the whole study")
+    parser.add_argument("--steps", type=int, help="steps per run")
+    parser.add_argument("--seeds", type=int, help="how many seeds (0, 1, ...)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="learning rates")
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the activations' dtype (parameters and Adam stay float32)",
+    )
+    args = parser.parse_args(argv)
+    plan = FULL if args.full else DEFAULT
+    steps = args.steps or plan["steps"]
+    seeds = list(range(args.seeds or plan["seeds"]))
+    lrs = sorted(args.lrs or plan["lrs"])
+
+    train_text, held_text, files = load_text()
+    bound = unigram_entropy(train_text)
+    held_out = eval_windows(held_text)
+    model = GPT(dtype=jnp.dtype(args.dtype))
+    tqdm.write(
+        f"{files} files of the stdlib: {train_text.size:,} training bytes, "
+        f"{held_text.size:,} held out; {len(RULES)} rules x {len(lrs)} learning "
+        f"rates x {len(seeds)} seeds x {steps} steps, activations {args.dtype}"
+    )
+    runs: dict[tuple[str, float, int], Any] = {}
+    start = time.perf_counter()
+    with open(LOG, "w") as log:
+        for seed in seeds:
+            boxed = model.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
+            prefix = clipax.stacked_prefix(boxed, axis_name="layers")
+            params = nn.unbox(boxed)
+            if seed == seeds[0]:
+                tqdm.write(f"stacked prefix: {prefix}")
+                trainer = Trainer(model, prefix)
+            data = batches(train_text, steps, seed)
+            for lr in lrs:
+                bar = tqdm(
+                    total=len(RULES) * steps,
+                    desc=f"lr {lr:.0e} seed {seed}",
+                    unit="step",
+                    mininterval=1.0,
+                )
+                for rule in RULES:
+                    runs[rule, lr, seed] = train(
+                        trainer, rule, lr, seed, params, data, held_out, log, bar
+                    )
+                bar.close()
+    seconds = time.perf_counter() - start
+    tqdm.write(
+        f"loss spike: a step whose training loss is above {SPIKE_RATIO} x the EMA "
+        f"(decay {SPIKE_DECAY}) of the losses before it, from step {SPIKE_FROM} "
+        "on, or non-finite; consecutive ones count once"
+    )
+    tqdm.write(
+        f"diverged: a non-finite loss, or a held-out loss at the end above "
+        f"{bound:.3f} (the unigram entropy of the training bytes)"
+    )
+    tqdm.write(
+        "means over the seeds (held-out: over the finite ones); clipped and "
+        "skipped: steps per run; diverged: runs of all"
+    )
+    for line in summary(runs, lrs, bound):
+        tqdm.write(line)
+    lr, seed, at = plot(runs, lrs, bound)
+    if any(run["spikes"] for (rule, _, _), run in runs.items() if rule == "none"):
+        what = "the unclipped run's spike highest above the clipped runs starts"
+    else:
+        what = "no unclipped spike; the unclipped run's highest loss is"
+    tqdm.write(f"figure: lr {lr:g}, seed {seed}; {what} at step {at}")
+    tqdm.write(f"wrote {OUTPUT} and {LOG} in {seconds:.0f} s")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
