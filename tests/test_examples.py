@@ -157,3 +157,69 @@ def test_spikes(tmp_path: Path) -> None:
         assert float(runs[name]["kept"]) < 0.05
         assert float(runs["adagc"]["kept"]) > 20 * float(runs[name]["kept"])
     assert_png(tmp_path / "spikes.png")
+
+
+LM_RULES = {
+    "none",
+    "optax.clip",
+    "clipax.clip",
+    "zclip",
+    "adagc",
+    "autoclip",
+    "skip_spikes",
+}
+LM_STEPS = 8
+LM_ROW = re.compile(
+    r"^\s*(?P<rule>\S+)\s+(?P<lr>\S+)\s+(?P<seeds>\d+)\s+(?P<spikes>\S+)\s+"
+    r"(?P<clipped>\S+)\s+(?P<skipped>\S+)\s+(?P<held>\S+)\s+"
+    r"(?P<diverged>\d+)/(?P<runs>\d+)$",
+    re.MULTILINE,
+)
+
+
+def test_lm_spikes(tmp_path: Path) -> None:
+    out = run_example(
+        "lm_spikes.py",
+        *("--steps", str(LM_STEPS), "--lrs", "0.01", "--seeds", "1"),
+        cwd=tmp_path,
+    )
+    # The stacked prefix: the scanned blocks have one layer axis.
+    assert "'blocks': 1" in out and "'embed': 0" in out, out
+    # The summary: one line per rule at the one learning rate and seed.
+    rows = {m["rule"]: m for m in LM_ROW.finditer(out)}
+    assert set(rows) == LM_RULES, out
+    assert len(LM_ROW.findall(out)) == len(LM_RULES)
+    for rule, row in rows.items():
+        assert float(row["lr"]) == pytest.approx(0.01)
+        assert int(row["seeds"]) == int(row["runs"]) == 1
+        assert 0 <= float(row["clipped"]) <= LM_STEPS, rule
+        assert math.isfinite(float(row["held"])), rule
+        assert 0 < float(row["held"]) < 8, rule  # ln(256) is 5.55
+    assert float(rows["none"]["clipped"]) == 0
+    for rule in LM_RULES - {"skip_spikes"}:
+        assert float(rows[rule]["skipped"]) == 0, rule
+    # optax's clip and clipax's are the same rule: their runs differ by rounding.
+    clipped = [float(rows[r]["clipped"]) for r in ("optax.clip", "clipax.clip")]
+    assert abs(clipped[0] - clipped[1]) <= 1
+
+    # The log: one line per rule and step, per-layer norms with the layer
+    # index in the key, and the rules' own metrics.
+    lines = (tmp_path / "lm_spikes_metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    assert len(logged) == len(LM_RULES) * LM_STEPS
+    assert {r["rule"] for r in logged} == LM_RULES
+    for r in logged:
+        assert {"rule", "lr", "seed", "step", "loss"} <= set(r)
+        assert math.isfinite(r["loss"])
+        assert any("blocks/0/" in k for k in r), sorted(r)
+        assert any("blocks/1/" in k for k in r), sorted(r)
+        norms = [v for k, v in r.items() if k.startswith("grads/")]
+        assert norms and all(math.isfinite(v) and v >= 0 for v in norms)
+    adagc = next(r for r in logged if r["rule"] == "adagc")
+    layers = [k for k in adagc if re.match(r"0/adagc/params/blocks/\d+/.*/norm$", k)]
+    assert {k.split("/")[4] for k in layers} == {"0", "1"}
+    skip = next(r for r in logged if r["rule"] == "skip_spikes")
+    assert "skip_spikes/skipped" in skip
+    assert any(k.endswith("clip_by_global_norm/clipped") for k in skip)
+
+    assert_png(tmp_path / "lm_spikes.png")
