@@ -74,10 +74,6 @@ def _kept(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o).astype(o.dtype), new, old)
 
 
-def _counted(finite: jax.Array, count: jax.Array) -> jax.Array:
-    return jnp.where(finite, optax.safe_int32_increment(count), count)
-
-
 def global_rule(
     fn_name: str,
     init: Callable[[np.dtype], G],
@@ -106,7 +102,9 @@ def global_rule(
         threshold = threshold.astype(dtype)
         finite = jnp.isfinite(norm)
         new_state = _kept(finite, stepped._replace(threshold=threshold), state)
-        new_state = new_state._replace(count=_counted(finite, state.count), norm=norm)
+        new_state = new_state._replace(
+            count=_engine.count_if(finite, state.count), norm=norm
+        )
         factor = _engine.clip_factor(norm, threshold)
         clipped = [_engine.scaled(x, factor) for x in leaves.arrays]
         return leaves.rebuild(clipped), new_state
@@ -148,7 +146,7 @@ def tensor_rule(
     step = jax.jit(tensor_step, static_argnums=0)
 
     def checked(tree: optax.Params) -> _checks.Leaves:
-        return _checks.stacking(stacked, tree, _checks.norm_leaves(tree, fn_name))
+        return _checks.norm_leaves(tree, fn_name, stacked)
 
     def init_fn(params: optax.Params) -> S:
         leaves = checked(params)
@@ -175,10 +173,7 @@ def tensor_rule(
         norms = [n.astype(dtype) for n in _engine.layer_norms(leaves, placements)]
         layer_axes = None
         if placements is not None:
-            layer_axes = [
-                _placement.split_axes(dims, range(len(leaves.layers(i))))
-                for i, dims in enumerate(placements)
-            ]
+            layer_axes = _placement.layer_axes(leaves, placements)
         total, finite = _engine.norm_of_layer_norms(norms, layer_axes)
         values = shared(state, total.astype(dtype))
         fields = tuple(_states.DECLARED[type(state)].per_tensor)
@@ -207,7 +202,7 @@ def tensor_rule(
                 f: _states.per_tensor(leaves, [new[f] for new, _ in steps])
                 for f in fields
             },
-            count=_counted(finite, state.count),
+            count=_engine.count_if(finite, state.count),
             norm=total.astype(dtype),
         )
         clipped = [

@@ -112,11 +112,10 @@ def adaptive_grad_clip(
     def reduced(tree: optax.Updates) -> tuple[_checks.Leaves, list[tuple[int, ...]]]:
         """The checked leaves, and each one's unit axes (after its stacked
         ones)."""
-        leaves = _checks.norm_leaves(tree, "adaptive_grad_clip")
-        leaves = _checks.stacking(stacked, tree, leaves)
+        leaves = _checks.norm_leaves(tree, "adaptive_grad_clip", stacked)
         units = []
         for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
-            k = len(leaves.layers(i))
+            k = leaves.stacked_axes(i)
             units.append(tuple(k + a for a in unit_axes(axes, path, x.shape[k:])))
         return leaves, units
 

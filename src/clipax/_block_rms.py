@@ -57,8 +57,7 @@ def clip_by_block_rms(
     _checks.threshold("threshold", threshold)
 
     def checked(tree: optax.Updates) -> _checks.Leaves:
-        leaves = _checks.norm_leaves(tree, "clip_by_block_rms")
-        return _checks.stacking(stacked, tree, leaves)
+        return _checks.norm_leaves(tree, "clip_by_block_rms", stacked)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         checked(params)

@@ -91,20 +91,28 @@ class Leaves:
     def rebuild(self, arrays: Sequence[Any]) -> PyTree:
         return jax.tree.unflatten(self.treedef, arrays)
 
+    def stacked_axes(self, i: int) -> int:
+        """How many leading axes of leaf `i` index stacked layers."""
+        return self.stacked[i] if self.stacked else 0
+
     def layers(self, i: int) -> tuple[int, ...]:
         """The shape of leaf `i`'s stacked axes (() for a leaf not stacked)."""
-        return tuple(self.arrays[i].shape[: self.stacked[i]]) if self.stacked else ()
+        return tuple(self.arrays[i].shape[: self.stacked_axes(i)])
 
     def inner(self, i: int) -> tuple[int, ...]:
         """Leaf `i`'s axes within one layer."""
-        k = self.stacked[i] if self.stacked else 0
-        return tuple(range(k, self.arrays[i].ndim))
+        return tuple(range(self.stacked_axes(i), self.arrays[i].ndim))
+
+
+def _array(x: Any) -> Any:
+    """A Python number as a 0-d JAX array; anything else as it is."""
+    return jnp.asarray(x) if type(x) in PYTHON_NUMBERS else x
 
 
 def leaves(tree: PyTree) -> Leaves:
     """`tree`'s leaves, unchecked (Python numbers as 0-d JAX arrays)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    arrays = [jnp.asarray(x) if type(x) in PYTHON_NUMBERS else x for _, x in flat]
+    arrays = [_array(x) for _, x in flat]
     return Leaves([path for path, _ in flat], arrays, treedef)
 
 
@@ -140,12 +148,12 @@ def norm_leaf(path: KeyPath, leaf: Any, fn_name: str) -> None:
         )
 
 
-def norm_leaves(tree: PyTree, fn_name: str) -> Leaves:
-    """`tree`'s leaves, each checked by `norm_leaf`."""
+def norm_leaves(tree: PyTree, fn_name: str, stacked: Any = None) -> Leaves:
+    """`tree`'s leaves, each checked by `norm_leaf`, with their `stacking`."""
     out = leaves(tree)
     for path, leaf in zip(out.paths, out.arrays, strict=True):
         norm_leaf(path, leaf, fn_name)
-    return out
+    return stacking(stacked, tree, out)
 
 
 def batched_leaves(tree: PyTree, fn_name: str) -> Leaves:
@@ -245,16 +253,13 @@ def params_of(updates: PyTree, params: PyTree, fn_name: str) -> list[Any]:
             "`tx.update(updates, state, params)`."
         )
 
-    def empty(x: Any) -> bool:
-        return x is None or isinstance(x, optax.MaskedNode)
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=empty)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_empty)
     out = []
     weights = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
     for (path, g), w in zip(flat, weights, strict=True):
-        if empty(g):
+        if _empty(g):
             continue
-        w = jnp.asarray(w) if type(w) in PYTHON_NUMBERS else w
+        w = _array(w)
         if np.shape(w) != np.shape(g) or not hasattr(w, "dtype"):
             raise ValueError(
                 f"`{fn_name}` needs a parameter of the update's shape "
@@ -389,7 +394,7 @@ def each_inner_axes(
     after the stacked ones (all of those for None)."""
     out = []
     for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
-        k = leaves.stacked[i] if leaves.stacked else 0
+        k = leaves.stacked_axes(i)
         inner = leaf_axes(axes, path, tuple(x.shape[k:]), name)
         out.append(tuple(k + a for a in inner))
     return out

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from clipax import _checks, _placement
 from clipax._placement import MeshAxes, Placements
@@ -168,6 +169,11 @@ def _scale_parts(x: jax.Array, factor: jax.Array) -> jax.Array:
     if jnp.iscomplexobj(x):
         return jax.lax.complex(x.real * factor, x.imag * factor)
     return x * factor
+
+
+def count_if(flag: jax.Array, count: jax.Array) -> jax.Array:
+    """`count` + 1 where `flag` (saturating at 2**31 - 1)."""
+    return jnp.where(flag, optax.safe_int32_increment(count), count)
 
 
 # Buckets and partial sums.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _states
+from clipax import _checks, _states
 
 PyTree = Any
 
@@ -137,7 +137,7 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
 
 
 def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
-    where = jax.tree_util.keystr(path) if path else "<root>"
+    where = _checks.path_str(path)
     if _is_empty(new):
         if _is_empty(old) or _is_statistics(old):
             return new
@@ -197,7 +197,7 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
         else:
             raise ValueError(
                 MISMATCH.format(
-                    path=jax.tree_util.keystr((*path, key)),
+                    path=_checks.path_str((*path, key)),
                     why="the old state has no part there",
                 )
             )

@@ -83,9 +83,7 @@ def clip_by_norm(
     axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
 
     def checked(tree: optax.Params) -> _checks.Leaves:
-        return _checks.stacking(
-            stacked, tree, _checks.norm_leaves(tree, "clip_by_norm")
-        )
+        return _checks.norm_leaves(tree, "clip_by_norm", stacked)
 
     def init_fn(params: optax.Params) -> ClipByNormState:
         leaves = checked(params)

@@ -97,12 +97,21 @@ def split_axes(entries: list[MeshAxes], dims: Sequence[int] | None = None) -> Me
     return tuple(sorted(names))
 
 
+def layer_axes(leaves: _checks.Leaves, placements: Placements) -> list[MeshAxes]:
+    """Per leaf, the mesh axes that split its stacked (layer) axes."""
+    return [
+        split_axes(dims, range(leaves.stacked_axes(i)))
+        for i, dims in enumerate(placements)
+    ]
+
+
 def psum_each(
     values: list[jax.Array],
     axes: list[MeshAxes],
     varies_over: Sequence[Hashable] | None = None,
+    op: Any = jax.lax.psum,
 ) -> list[jax.Array]:
-    """psum of each value over its mesh `axes`.
+    """`op` (psum, or pmax) of each value over its mesh `axes`.
 
     Values with the same axes travel in one collective, unless they vary over
     different mesh axes (`varies_over`, each value's): `shard_map`'s
@@ -116,10 +125,10 @@ def psum_each(
             sets.setdefault(key, []).append(i)
     for (names, _), index in sets.items():
         if len(index) == 1:
-            out[index[0]] = jax.lax.psum(values[index[0]], names)
+            out[index[0]] = op(values[index[0]], names)
             continue
         flat = jnp.concatenate([jnp.ravel(values[i]) for i in index])
-        reduced = jax.lax.psum(flat, names)
+        reduced = op(flat, names)
         offset = 0
         for i in index:
             size = values[i].size

@@ -68,11 +68,6 @@ def _moments(
     return mean + w * delta, (1 - w) * (variance + w * jnp.square(delta))
 
 
-def _bump(flag: jax.Array, count: jax.Array) -> jax.Array:
-    """`count` + 1 where `flag` (saturating at 2**31 - 1)."""
-    return jnp.where(flag, optax.safe_int32_increment(count), count)
-
-
 def _outlier(
     x: jax.Array,
     count: jax.Array,
@@ -232,11 +227,11 @@ def skip_spikes(
             inner_state=inner_state,
             skipped=skip,
             forced=forced,
-            skipped_count=_bump(skip, state.skipped_count),
+            skipped_count=_engine.count_if(skip, state.skipped_count),
             consecutive_skips=jnp.where(
                 skip, optax.safe_int32_increment(state.consecutive_skips), 0
             ),
-            accepted_count=_bump(accept, n),
+            accepted_count=_engine.count_if(accept, n),
             norm=norm,
             norm_mean=jnp.where(accept, mean, state.norm_mean),
             norm_variance=jnp.where(accept, variance, state.norm_variance),
@@ -248,7 +243,7 @@ def skip_spikes(
             )
             new_state = new_state._replace(
                 loss=value,
-                loss_count=_bump(accept, count),
+                loss_count=_engine.count_if(accept, count),
                 loss_mean=jnp.where(accept, mean, state.loss_mean),
                 loss_variance=jnp.where(accept, variance, state.loss_variance),
             )

@@ -106,7 +106,7 @@ def group_norms(
         prefixes = _checks.key_paths("prefixes", prefixes, SEPARATOR)
     p = _checks.order(ord)
     _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    leaves = _checks.stacking(stacked, tree, _checks.norm_leaves(tree, "group_norms"))
+    leaves = _checks.norm_leaves(tree, "group_norms", stacked)
     placements = _placement.leaf_placements(leaves, specs, names)
     wanted = None
     if prefixes is not None:
@@ -201,9 +201,9 @@ def _stacked_layer_norms(
     split across devices, gathered, so that every device has every layer's."""
     out = {}
     for i, x in enumerate(leaves.arrays):
-        if not leaves.stacked or not leaves.stacked[i]:
+        k = leaves.stacked_axes(i)
+        if not k:
             continue
-        k = leaves.stacked[i]
         x = jnp.asarray(x)
         sums = _engine.power_sum(x, p, leaves.inner(i)).reshape(x.shape[:k])
         if placements is not None:

@@ -7,7 +7,6 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from clipax import _checks, _engine, _placement
@@ -76,7 +75,7 @@ def clip_by_norm(
     del name  # means nothing in JAX
     _checks.threshold("max_norm", max_norm)
     axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
-    leaves = _checks.stacking(stacked, tree, _checks.norm_leaves(tree, "clip_by_norm"))
+    leaves = _checks.norm_leaves(tree, "clip_by_norm", stacked)
     reduced = _checks.each_inner_axes(axes, leaves)
     placements = _placement.leaf_placements(leaves, specs, names)
     return clip_leaves(leaves, max_norm, reduced, placements)[0]
@@ -116,19 +115,11 @@ def peak_norms(
         return peaks
     # One pmax over the axes that split the slices, per set of axes that
     # split the layers (whose peaks are of other layers on other devices).
-    groups: dict[_placement.MeshAxes, list[int]] = {}
-    for i, dims in enumerate(placements):
-        layer_axes = _placement.split_axes(dims, range(len(leaves.layers(i))))
-        groups.setdefault(layer_axes, []).append(i)
-    out = list(peaks)
-    for layer_axes, members in groups.items():
-        split = {a for i in members for a in _placement.split_axes(placements[i])}
-        sizes = [peaks[i].size for i in members]
-        flat = jnp.concatenate([jnp.ravel(peaks[i]) for i in members])
-        names = tuple(a for a in sorted(split) if a not in layer_axes)
-        flat = jax.lax.pmax(flat, names) if names else flat
-        for i, piece in zip(
-            members, jnp.split(flat, np.cumsum(sizes)[:-1]), strict=True
-        ):
-            out[i] = piece.reshape(peaks[i].shape)
-    return out
+    layer_axes = _placement.layer_axes(leaves, placements)
+    split: dict[_placement.MeshAxes, set[str]] = {}
+    for axes, dims in zip(layer_axes, placements, strict=True):
+        split.setdefault(axes, set()).update(_placement.split_axes(dims))
+    names = [
+        tuple(a for a in sorted(split[axes]) if a not in axes) for axes in layer_axes
+    ]
+    return _placement.psum_each(peaks, names, layer_axes, op=jax.lax.pmax)

@@ -151,7 +151,7 @@ def per_example_layer_norm_clip(
     leaves = _checks.stacking(stacked, grads, leaves)
     layers, inner = [], []  # per leaf: its stacked axes' shape, its inner axes
     for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
-        k = leaves.stacked[i] if leaves.stacked else 0
+        k = leaves.stacked_axes(i)
         if k > x.ndim - 1:
             raise ValueError(
                 f"`stacked` gives {k} stacked axes to the leaf at "
