@@ -69,6 +69,13 @@ def test_a_state_is_found_by_its_class_or_its_restored_fields() -> None:
     assert _states.declared({"norm": 1.0}) is None
 
 
+def test_no_two_states_share_their_fields() -> None:
+    # A restored state is recognised by its keys: two classes with the same
+    # fields would make that ambiguous.
+    fields = [frozenset(d.fields) for d in _states.DECLARED.values()]
+    assert len(set(fields)) == len(fields) > 5
+
+
 # Declaring wrongly is an error where the class is defined, so at import.
 
 
