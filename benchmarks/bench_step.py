@@ -52,8 +52,8 @@ if __name__ == "__main__" and _forced_devices(sys.argv) > 1:
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import math  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from statistics import geometric_mean as geo  # noqa: E402
 from typing import Any  # noqa: E402
 
 # The harnesses beside this file (its folder is on sys.path when run as a script).
@@ -74,13 +74,11 @@ MAX_NORM = 1.0
 def bare_clip_by_norm(axes: Any = None) -> optax.GradientTransformation:
     """The per-leaf rule as a user writes it without clipax: `jax.tree.map` of
     `g * c / max(norm(g), c)`, the norm over `axes` (the whole leaf for None)."""
-
-    def clip(g: jax.Array) -> jax.Array:
-        squares = jnp.square(g.astype(jnp.float32))
-        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=axes is not None))
-        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
-
-    return bench.stateless(lambda tree: jax.tree.map(clip, tree))
+    return bench.stateless(
+        lambda tree: jax.tree.map(
+            lambda g: bench.bare_clip_over(g, axes, MAX_NORM), tree
+        )
+    )
 
 
 def stacked(updates: Any) -> Any:
@@ -95,10 +93,9 @@ def bare_clip_by_norm_stacked() -> optax.GradientTransformation:
 
     def clip(path: Any, g: jax.Array) -> jax.Array:
         inner = "blocks" in jax.tree_util.keystr(path)
-        axes = tuple(range(1, g.ndim)) if inner else None
-        squares = jnp.square(g.astype(jnp.float32))
-        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=inner))
-        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
+        return bench.bare_clip_over(
+            g, tuple(range(1, g.ndim)) if inner else None, MAX_NORM
+        )
 
     return bench.stateless(lambda tree: jax.tree_util.tree_map_with_path(clip, tree))
 
@@ -185,10 +182,6 @@ def placer(layout: str, count: int) -> Callable[[Any], Any]:
     return functools.partial(jax.tree.map, place)
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
@@ -256,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
         print(
-            f"| {rule} | geometric mean | | | | | | | {geomean(runs):.3f} | | | "
-            f"{geomean(compiles):.3f} |",
+            f"| {rule} | geometric mean | | | | | | | {geo(runs):.3f} | | | "
+            f"{geo(compiles):.3f} |",
             flush=True,
         )
 

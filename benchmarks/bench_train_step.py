@@ -20,8 +20,8 @@ least of each side counts). On the scanned model the per-tensor rules take
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
+from statistics import geometric_mean as geo
 from typing import Any
 
 # The harness beside this file (its folder is on sys.path when run as a script).
@@ -100,9 +100,7 @@ def bare_clip_by_norm(scanned: bool) -> optax.GradientTransformation:
     def clip(path: Any, g: jax.Array) -> jax.Array:
         inner = scanned and "blocks" in jax.tree_util.keystr(path)
         axes = tuple(range(1, g.ndim)) if inner else None
-        squares = jnp.square(g.astype(jnp.float32))
-        norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=inner))
-        return g * (MAX_NORM / jnp.maximum(norm, MAX_NORM)).astype(g.dtype)
+        return bench.bare_clip_over(g, axes, MAX_NORM)
 
     return bench.stateless(lambda tree: jax.tree_util.tree_map_with_path(clip, tree))
 
@@ -165,10 +163,6 @@ def train_step(
     return optax.GradientTransformation(init, update)
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
@@ -227,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if len(runs) > 1:
             print(
-                f"| {rule} | geometric mean | | | | | {geomean(runs):.3f} | | | "
-                f"{geomean(compiles):.3f} |",
+                f"| {rule} | geometric mean | | | | | {geo(runs):.3f} | | | "
+                f"{geo(compiles):.3f} |",
                 flush=True,
             )
 
