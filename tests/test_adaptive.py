@@ -1,22 +1,20 @@
-"""The adaptive family's shape (`clipax._adaptive`): each rule on its own
-against its paper's formula, and the parts every rule shares."""
+"""The adaptive rules: each rule's step on its own against its paper's
+formula, and the parts the rules share."""
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import clipax
-from clipax import _adaptive, _checks, _engine, _states
-from clipax._adagc import adagc_rule, adagc_shared
+from clipax import _checks, _engine
+from clipax._adagc import adagc_step
 from clipax._autoclip import autoclip_rule
 from clipax._zclip import EPS, zclip_rule
 from tests.helpers import spike_norms, state_after_compiled_steps
@@ -83,35 +81,29 @@ def test_adagc_rule_is_the_papers_formula():
     lambda_abs, gamma_i = min of the clipped norms."""
     inf = math.inf
 
-    def step(state, norms, count):
-        # The rule on a vector of norms: each entry is one tensor's step.
-        state = state._replace(count=jnp.int32(count))
+    def step(ema, norms, count):
+        # The step on a vector of norms: each entry is one tensor's step.
         total = _engine.norm_of_norms(norms)
-        shared = adagc_shared(
-            state, total, max_norm=2.0, warmup_steps=2, clip_ratio=1.04, alpha=0.9
+        factor = _engine.clip_factor(total, 2.0)
+        alpha = jnp.float32(0.9)
+        return adagc_step(
+            ema, norms, count < 2, factor, jnp.float32(1.04), alpha, 1 - alpha
         )
-        return adagc_rule(state, norms, shared)
 
-    state = clipax.AdaGCState(
-        ema=jnp.full(3, inf),
-        count=jnp.int32(0),
-        norm=jnp.float32(0),
-        norms=0,
-        thresholds=0,
-    )
+    state = jnp.full(3, inf)
     norms = jnp.array([3.0, 4.0, 0.0], jnp.float32)  # global 5, clipped to 2
     threshold, state = step(state, norms, 0)
     np.testing.assert_allclose(threshold, [1.2, 1.6, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(state.ema, [1.2, 1.6, inf], rtol=1e-6)
+    np.testing.assert_allclose(state, [1.2, 1.6, inf], rtol=1e-6)
     norms = jnp.array([1.0, 0.1, 0.0], jnp.float32)  # not clipped: minimum
     threshold, state = step(state, norms, 1)
-    np.testing.assert_allclose(state.ema, [1.0, 0.1, inf], rtol=1e-6)
+    np.testing.assert_allclose(state, [1.0, 0.1, inf], rtol=1e-6)
     norms = jnp.array([5.0, 0.1, 2.0], jnp.float32)  # after warm-up
     threshold, state = step(state, norms, 2)
     np.testing.assert_allclose(threshold, [1.04, 0.104, 2.08], rtol=1e-6)
     clipped = np.array([1.04, 0.1, 2.0])
     gamma = np.array([1.0, 0.1, 2.0])  # the unseen third leaf starts from its norm
-    np.testing.assert_allclose(state.ema, 0.9 * gamma + 0.1 * clipped, rtol=1e-6)
+    np.testing.assert_allclose(state, 0.9 * gamma + 0.1 * clipped, rtol=1e-6)
 
 
 # The shared parts.
@@ -169,92 +161,44 @@ def test_clip_factor_rules():
     )
 
 
-class RunningMaxState(NamedTuple):
-    """A rule a newcomer might add: clip to half the largest norm seen."""
-
-    peak: chex.ArrayTree
-    count: jax.Array
-    norm: jax.Array
-    norms: chex.ArrayTree
-    thresholds: chex.ArrayTree
-
-
-def running_max_rule(state, norm, shared):
-    del shared
-    peak = jnp.maximum(state.peak, norm)
-    return jnp.where(state.peak > 0, 0.5 * peak, jnp.inf), state._replace(peak=peak)
-
-
-def running_max_init(per_tensor, dtype):
-    return RunningMaxState(
-        peak=per_tensor(0),
-        count=jnp.zeros((), jnp.int32),
-        norm=jnp.zeros((), dtype),
-        norms=per_tensor(0),
-        thresholds=per_tensor(jnp.inf),
-    )
-
-
-@pytest.fixture(autouse=True)
-def _declared(monkeypatch):
-    monkeypatch.setattr(_states, "DECLARED", dict(_states.DECLARED))
-    _states.declare(
-        "running_max",
-        scalars=("count", "norm"),
-        per_tensor={"peak": "peak", "norms": "norm", "thresholds": "threshold"},
-    )(RunningMaxState)
-
-
-def running_max(**kwargs) -> optax.GradientTransformation:
-    return _adaptive.tensor_rule(
-        "running_max",
-        running_max_init,
-        lambda state, total: None,
-        running_max_rule,
-        stacked=kwargs.get("stacked"),
-        specs=kwargs.get("specs"),
-        axis_name=(),
-    )
-
-
-def test_a_new_per_leaf_rule_gets_the_shared_parts():
-    tx = running_max()
+def test_adagc_keeps_empty_leaves_and_a_broken_tensor_s_statistics():
+    tx = clipax.adagc(warmup_steps=1, max_norm=100.0, alpha=0.5)
     tree = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([1.0]), "n": None}
     state = tx.init(tree)
     assert state.norms["n"] is None and math.isinf(state.thresholds["a"])
     update = jax.jit(tx.update)
-    out, state = update(tree, state)  # the first step passes
+    out, state = update(tree, state)  # the warm-up step passes
     chex.assert_trees_all_equal(out, tree)
     out, state = update(jax.tree.map(lambda x: 2 * x, tree), state)
-    np.testing.assert_allclose(out["a"], [3.0, 4.0])  # norm 10 clipped to 5
+    np.testing.assert_allclose(out["a"], [3.12, 4.16], rtol=1e-6)  # 10 -> 1.04 * 5
     np.testing.assert_allclose(state.norm, math.hypot(10.0, 2.0), rtol=1e-6)
     assert int(state.count) == 2
-    # The NaN rule: the broken leaf keeps its statistics and comes out NaN, the
-    # others go on, and the step is not counted.
+    # The NaN rule: the broken tensor keeps its statistics and comes out NaN,
+    # the others go on, and the step is not counted.
     broken = {"a": jnp.array([math.nan, 0.0]), "b": jnp.array([8.0]), "n": None}
     out, after = update(broken, state)
     assert np.isnan(out["a"]).all()
-    np.testing.assert_allclose(out["b"], [4.0])  # 8 clipped to half its peak
-    assert float(after.peak["a"]) == float(state.peak["a"])
-    assert float(after.peak["b"]) == 8.0
+    np.testing.assert_allclose(out["b"], [1.04 * float(state.ema["b"])], rtol=1e-6)
+    assert float(after.ema["a"]) == float(state.ema["a"])
+    assert float(after.ema["b"]) != float(state.ema["b"])
     assert int(after.count) == 2
     assert float(after.thresholds["a"]) == float(state.thresholds["a"])
 
 
-def test_a_new_rule_compiles_once():
-    state = state_after_compiled_steps(running_max(), {"a": jnp.ones(3)}, calls=4)
+def test_adagc_compiles_once():
+    state = state_after_compiled_steps(clipax.adagc(), {"a": jnp.ones(3)}, calls=4)
     assert int(state.count) == 4
 
 
 @pytest.mark.parametrize(
     ("check", "value", "match"),
     [
-        (_checks.open_unit, 1.5, r"`x` must be a real number strictly"),
+        (_checks.unit, 1.5, r"`x` must be a real number strictly"),
         (_checks.positive, -1.0, r"`x` must be a finite real number > 0"),
-        (_checks.count, 0, r"`x` must be an int >= 1; got 0"),
+        (_checks.integer, 0, r"`x` must be an int >= 1; got 0"),
     ],
 )
 def test_shared_argument_checks(check, value, match):
     with pytest.raises(ValueError, match=match):
         check("x", value)
-    assert _checks.count("x", np.int64(3), minimum=0) == 3
+    assert _checks.integer("x", np.int64(3), minimum=0) == 3

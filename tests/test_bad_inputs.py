@@ -372,12 +372,6 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`max_norm` and `clip_norm`",
     ),
     (
-        "foreach not a flag",
-        lambda t: clipax.tree.global_norm(t, foreach=np.ones(2)),
-        TypeError,
-        r"ignores `foreach`.*None, a bool or a string",
-    ),
-    (
         "squared not a bool",
         lambda t: clipax.tree.global_norm(t, 2, "yes"),
         TypeError,

@@ -1,4 +1,4 @@
-"""The norm engine (`clipax._engine`, `clipax._placement`): buckets give the
+"""The norm engine (`clipax._engine`): buckets give the
 same numbers and never reshard; per-tensor norms are the bare formula's."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import clipax
-from clipax import _engine, _placement
+from clipax import _engine
 from tests.helpers import UNFUSED_REDUCTIONS, ref_global_norm, xla_output_since
 
 ORDS = [1.0, 2.0, 1.5, math.inf]
@@ -67,7 +67,7 @@ def small_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
 def always_concatenate(monkeypatch: pytest.MonkeyPatch) -> None:
     """Buckets under jit too (the test session has 8 devices, so by default a
     traced leaf with no known sharding is never concatenated)."""
-    monkeypatch.setattr(_placement, "is_whole", lambda x: True)
+    monkeypatch.setattr(_engine, "is_whole", lambda x: True)
 
 
 @pytest.mark.usefixtures("small_buckets")
@@ -263,15 +263,15 @@ def test_is_whole_rules() -> None:
 
     def record(name: str) -> Any:
         def probe(x: jax.Array) -> jax.Array:
-            seen[name] = _placement.is_whole(x)
+            seen[name] = _engine.is_whole(x)
             return x
 
         return probe
 
-    assert _placement.is_whole(jnp.ones(3))  # one device
-    assert _placement.is_whole(np.ones(3))
-    assert not _placement.is_whole(sharded)
-    assert _placement.is_whole(replicated)
+    assert _engine.is_whole(jnp.ones(3))  # one device
+    assert _engine.is_whole(np.ones(3))
+    assert not _engine.is_whole(sharded)
+    assert _engine.is_whole(replicated)
     jax.jit(record("jit, explicit sharded"))(sharded)
     jax.jit(record("jit, explicit replicated"))(replicated)
     jax.jit(record("jit, auto"))(auto_replicated)
@@ -311,7 +311,7 @@ def test_shard_map_blocks_are_bucketed_without_collectives() -> None:
 
     def local_norm(t: dict) -> jax.Array:
         leaves = jax.tree.leaves(t)
-        assert all(_placement.is_whole(x) for x in leaves)
+        assert all(_engine.is_whole(x) for x in leaves)
         buckets, alone = _engine._buckets(leaves)
         assert buckets == [[0, 1]] and alone == []
         return clipax.tree.global_norm(t)[None, None]

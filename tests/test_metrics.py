@@ -183,7 +183,7 @@ def test_no_clipax_state_gives_an_empty_dict() -> None:
 
 
 def test_a_new_clipax_state_class_needs_one_declaration(state_registry: Any) -> None:
-    @state_registry.declare("new_rule", scalars=("norm", "threshold"))
+    @state_registry.declare("new_rule")
     class NewRuleState(NamedTuple):
         norm: jax.Array
         threshold: jax.Array

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import clipax
-from clipax import _placement
+from clipax import _engine
 from tests import helpers
 
 ORDS = [1, 1.5, 2, 3, math.inf]
@@ -73,7 +73,7 @@ def test_norm_is_exact_for_every_finite_input_with_leaves_known_whole(
     # The suite's 8 devices leave a traced leaf's placement unknown (both
     # passes in one loop); on one device, or with known placements, small
     # leaves are bucketed and the second pass is a `lax.cond` branch.
-    monkeypatch.setattr(_placement, "is_whole", lambda x: True)
+    monkeypatch.setattr(_engine, "is_whole", lambda x: True)
     tree = TREES[name]
     expected = helpers.ref_global_norm(tree, ord)
     norm = jax.jit(clipax.tree.global_norm, static_argnames="ord")(tree, ord=ord)
@@ -251,7 +251,7 @@ def test_the_common_path_is_one_plain_pass(
     # branch of one `lax.cond`. Where their placement is unknown (several
     # devices, automatic mesh axes), both passes are one loop body, in which
     # each leaf is reduced once.
-    monkeypatch.setattr(_placement, "is_whole", lambda x: whole)
+    monkeypatch.setattr(_engine, "is_whole", lambda x: whole)
     tree = [jnp.ones((100, 100)), jnp.ones((64, 80)), jnp.ones((5000,))]
     jaxpr = jax.make_jaxpr(lambda t: clipax.tree.global_norm(t, ord=ord))(tree)
     reductions: dict[str, int] = {}

@@ -217,7 +217,17 @@ def test_compiles_once_and_the_state_keeps_its_layers() -> None:
     _, state = helpers.assert_compiles_once(
         step, stacked_tree(0), tx.init(stacked_tree(0))
     )
-    assert isinstance(state[0].ema, clipax.StackedStats)
+    # Per-layer statistics are plain arrays in the updates' own tree: the state
+    # maps against the updates, and against its twin.
+    grads = stacked_tree(0)
+    assert jax.tree.structure(state[0].ema) == jax.tree.structure(grads)
+    shapes = jax.tree.map(lambda e: e.shape, state[0].ema)
+    assert shapes == {
+        "blocks": {"attn": {"bias": (L,), "kernel": (L,)}, "mlp": (L,)},
+        "embed": (),
+        "head": (),
+    }
+    jax.tree.map(jnp.add, state, tx.init(grads))
     assert optax.tree.get(state, "ema")["blocks"]["mlp"].shape == (L,)
 
 
@@ -301,11 +311,13 @@ def test_shard_map_with_specs_equals_one_device(rule: str, split: Any) -> None:
     )
 
     def state_spec(s: Any) -> Any:
+        # Per-layer statistics are trees like the updates, one entry per layer.
+        like_updates = jax.tree.structure(stacked_tree(0))
         fields = {}
         for name in s._fields:
             value = getattr(s, name)
-            if isinstance(value, clipax.StackedStats):
-                fields[name] = clipax.StackedStats(layer_specs, value.depths)
+            if jax.tree.structure(value) == like_updates:
+                fields[name] = layer_specs
             else:
                 fields[name] = jax.tree.map(lambda _: P(), value)
         return type(s)(**fields)

@@ -44,20 +44,39 @@ DECLARED = {
 }
 
 
+EXAMPLES = {
+    clipax.ClipByGlobalNormState: clipax.clip_by_global_norm(1.0),
+    clipax.ClipByNormState: clipax.clip_by_norm(1.0),
+    clipax.AutoClipState: clipax.autoclip(),
+    clipax.ZClipState: clipax.zclip(),
+    clipax.AdaGCState: clipax.adagc(),
+    clipax.SkipSpikesState: clipax.skip_spikes(optax.sgd(1.0)),
+}
+
+
 def test_every_clipax_state_class_declares_itself() -> None:
     got = {
-        d.cls: (d.name, d.scalars, dict(d.per_tensor), d.inner)
-        for d in _states.DECLARED.values()
+        d.cls: (d.name, dict(d.per_tensor), d.inner) for d in _states.DECLARED.values()
     }
-    assert got == DECLARED
+    assert got == {
+        cls: (name, tensors, inner)
+        for cls, (name, _, tensors, inner) in DECLARED.items()
+    }
     public = {getattr(clipax, n) for n in clipax.__all__ if n.endswith("State")}
     assert public - {clipax.NonFiniteError} == set(_states.DECLARED)
     for declared in _states.DECLARED.values():
         assert declared.fields == declared.cls._fields  # type: ignore[attr-defined]
         assert callable(getattr(clipax, declared.name))  # the public factory
-        # Every field is reported, walked, or an array metrics leaves out.
-        reported = {*declared.scalars, *declared.per_tensor, declared.inner} - {None}
-        assert reported <= set(declared.fields)
+        # Its scalar statistics are its 0-d fields, as `metrics` reports them.
+        state = EXAMPLES[declared.cls].init({"w": jnp.ones(2)})
+        name, scalars, _, _ = DECLARED[declared.cls]
+        reported = {
+            key.split("/")[1]
+            for key in clipax.metrics(state)
+            if key.count("/") == 1 and key.startswith(f"{name}/")
+        }
+        assert reported - {"clipped", "clip_factor"} == set(scalars)
+        assert set(scalars) <= set(declared.fields)
 
 
 def test_a_state_is_found_by_its_class_or_its_restored_fields() -> None:
@@ -98,17 +117,14 @@ def test_a_name_declared_already_raises(state_registry: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("scalars", "per_tensor", "inner"),
-    [((), {"norms": "norm"}, None), ((), {}, "inner_state"), (("nrom",), {}, None)],
+    ("per_tensor", "inner"), [({"norms": "norm"}, None), ({}, "inner_state")]
 )
 def test_a_field_the_class_lacks_raises(
-    state_registry: Any, scalars: tuple, per_tensor: dict, inner: str | None
+    state_registry: Any, per_tensor: dict, inner: str | None
 ) -> None:
-    with pytest.raises(ValueError, match=r"has no field '(norms|inner_state|nrom)'"):
+    with pytest.raises(ValueError, match=r"has no field '(norms|inner_state)'"):
 
-        @state_registry.declare(
-            "typo", scalars=scalars, per_tensor=per_tensor, inner=inner
-        )
+        @state_registry.declare("typo", per_tensor=per_tensor, inner=inner)
         class TypoState(NamedTuple):
             norm: jax.Array
 

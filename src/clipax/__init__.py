@@ -18,6 +18,7 @@ from clipax._autoclip import autoclip as autoclip
 from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
+from clipax._leaves import LayerAxes as LayerAxes
 from clipax._metrics import metrics as metrics
 from clipax._migrate import migrate_state as migrate_state
 from clipax._nonfinite import NonFiniteError as NonFiniteError
@@ -27,7 +28,6 @@ from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
 from clipax._stacked import stacked_prefix as stacked_prefix
-from clipax._states import StackedStats as StackedStats
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
 from clipax._zclip import ZClipState as ZClipState
@@ -43,9 +43,9 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "LayerAxes",
     "NonFiniteError",
     "SkipSpikesState",
-    "StackedStats",
     "ZClipState",
     "__version__",
     "adagc",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -13,81 +12,66 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _checks, _engine, _states
-from clipax._placement import AxisName
+from clipax import _checks, _engine, _leaves, _states
 
 
 @_states.declare(
-    "adagc",
-    scalars=("count", "norm"),
-    per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"},
+    "adagc", per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"}
 )
 class AdaGCState(NamedTuple):
     """State of `adagc`: each tensor's EMA and what the last update saw."""
 
     ema: chex.ArrayTree  # the updates' tree, a float32 scalar per tensor
-    # (float64 for float64 updates; one per layer of a stacked leaf, in a
-    # `StackedStats`): EMA of its clipped norms; inf until seen
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps whose norms were all finite
+    # (float64 for float64 updates; a vector, one per layer, for a stacked
+    # leaf): EMA of its clipped norms; inf until seen
+    count: jax.Array  # int32 scalar: steps whose norms were all finite
     norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
-    norms: chex.ArrayTree  # a float32 scalar per tensor: its pre-clip norm
-    thresholds: chex.ArrayTree  # a float32 scalar per tensor: the norm it was
-    # clipped to, or would have been (inf before the first step)
+    norms: chex.ArrayTree  # likewise, each tensor's pre-clip norm
+    thresholds: chex.ArrayTree  # likewise, the norm each tensor was clipped
+    # to, or would have been (inf before the first step)
 
 
-class Shared(NamedTuple):
-    """What every tensor's AdaGC step reads, computed once per step (each
-    operation of the tensor's step is compiled once per leaf)."""
-
-    warming: jax.Array  # bool scalar: the step is in the warm-up
-    factor: jax.Array  # scalar: the warm-up's global clip factor
-    ratio: jax.Array  # `clip_ratio`, in the statistics' dtype
-    alpha: jax.Array  # `alpha`, likewise
-    rest: jax.Array  # 1 - `alpha`
-
-
-def adagc_shared(
-    state: AdaGCState,
-    total: jax.Array,
-    *,
-    max_norm: ArrayLike,
-    warmup_steps: int,
-    clip_ratio: ArrayLike,
-    alpha: ArrayLike,
-) -> Shared:
-    dtype = state.norm.dtype
-    a = jnp.asarray(alpha, dtype)
-    return Shared(
-        warming=state.count < warmup_steps,
-        factor=_engine.clip_factor(total, max_norm),
-        ratio=jnp.asarray(clip_ratio, dtype),
-        alpha=a,
-        rest=1 - a,
-    )
-
-
-def adagc_rule(
-    state: AdaGCState, norm: jax.Array, shared: Shared
-) -> tuple[jax.Array, AdaGCState]:
-    """AdaGC's step for one tensor's `norm` (docs/semantics.md, "AdaGC")."""
-    ema = state.ema
+def adagc_step(
+    ema: jax.Array,
+    norm: jax.Array,
+    warming: jax.Array,
+    factor: jax.Array,
+    ratio: jax.Array,
+    alpha: jax.Array,
+    rest: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """AdaGC's step for one tensor's `norm` (docs/semantics.md, "AdaGC"): its
+    threshold and new EMA. `warming` and `factor` (the warm-up's global clip
+    factor) are the step's; `rest` is 1 - `alpha`."""
     unseen = ema == np.inf
-
     # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
     # nonzero clipped norm of the tensor.
-    warm_clipped = norm * shared.factor
+    warm_clipped = norm * factor
     warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(ema, warm_clipped), ema)
-
     # After: the tensor clipped to `clip_ratio` times its EMA, which then
     # follows the clipped norm; the tensor's first nonzero norm starts it.
     previous = jnp.where(unseen, norm, ema)
-    limit = shared.ratio * previous
-    ema_after = shared.alpha * previous + shared.rest * jnp.minimum(norm, limit)
+    limit = ratio * previous
+    ema_after = alpha * previous + rest * jnp.minimum(norm, limit)
     ema_after = jnp.where(unseen & (norm == 0), ema, ema_after)
+    threshold = jnp.where(warming, warm_clipped, limit)
+    return threshold, jnp.where(warming, warm_ema, ema_after)
 
-    threshold = jnp.where(shared.warming, warm_clipped, limit)
-    new_ema = jnp.where(shared.warming, warm_ema, ema_after)
-    return threshold, state._replace(ema=new_ema)
+
+@jax.jit
+def _tensor_step(
+    ema: jax.Array, threshold: jax.Array, norm: jax.Array, *shared: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`adagc_step` with the NaN rule (a NaN or inf norm keeps the tensor's
+    statistics), and the tensor's clip factor. Jitted, so that tensors of one
+    shape share one trace (benchmarks/RESULTS.md)."""
+    new_threshold, new_ema = adagc_step(ema, norm, *shared)
+    finite = jnp.isfinite(norm)
+    return (
+        jnp.where(finite, new_ema, ema),
+        jnp.where(finite, new_threshold, threshold),
+        _engine.clip_factor(norm, new_threshold),
+    )
 
 
 def adagc(
@@ -97,7 +81,7 @@ def adagc(
     warmup_steps: int = 100,
     max_norm: ArrayLike = 1.0,
     stacked: Any = None,
-    axis_name: AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips each update tensor against an EMA of its own past clipped norms.
@@ -149,33 +133,75 @@ def adagc(
       Wang et al., `AdaGC: Enhancing LLM Pretraining Stability via Adaptive
       Gradient Clipping <https://arxiv.org/abs/2502.11034>`_, 2025.
     """
-    _checks.positive("clip_ratio", clip_ratio)
-    _checks.open_unit("alpha", alpha)
-    warmup = _checks.count("warmup_steps", warmup_steps, minimum=0)
-    _checks.threshold("max_norm", max_norm)
+    clip_ratio = _checks.positive("clip_ratio", clip_ratio)
+    alpha = _checks.unit("alpha", alpha)
+    warmup = _checks.integer("warmup_steps", warmup_steps, minimum=0)
+    max_norm = _checks.threshold("max_norm", max_norm)
     _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
 
-    def init(per_tensor: Callable[[Any], Any], dtype: np.dtype) -> AdaGCState:
-        return AdaGCState(
-            ema=per_tensor(jnp.inf),
-            count=jnp.zeros((), jnp.int32),
-            norm=jnp.zeros((), dtype),
-            norms=per_tensor(0),
-            thresholds=per_tensor(jnp.inf),
+    def checked(tree: optax.Params) -> _leaves.Leaves:
+        return _leaves.leaves(
+            tree, "adagc", stacked=stacked, specs=specs, axis_name=names
         )
 
-    return _adaptive.tensor_rule(
-        "adagc",
-        init,
-        functools.partial(
-            adagc_shared,
-            max_norm=max_norm,
-            warmup_steps=warmup,
-            clip_ratio=clip_ratio,
-            alpha=alpha,
-        ),
-        adagc_rule,
-        stacked=stacked,
-        specs=specs,
-        axis_name=names,
-    )
+    def init_fn(params: optax.Params) -> AdaGCState:
+        leaves = checked(params)
+        dtype = _engine.tree_accum_dtype(leaves.arrays)
+
+        def full(value: float) -> Any:
+            return leaves.rebuild(
+                [jnp.full(leaf.layers, value, dtype) for leaf in leaves]
+            )
+
+        return AdaGCState(
+            ema=full(np.inf),
+            count=jnp.zeros((), jnp.int32),
+            norm=jnp.zeros((), dtype),
+            norms=full(0),
+            thresholds=full(np.inf),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: AdaGCState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, AdaGCState]:
+        del params
+        leaves = checked(updates)
+        emas = _leaves.check_state("adagc", leaves, state.ema)
+        thresholds = _leaves.check_state("adagc", leaves, state.thresholds)
+        dtype = state.norm.dtype
+        norms = [
+            n.astype(dtype).reshape(leaf.layers)
+            for leaf, n in zip(
+                leaves,
+                _engine.norms(leaves, [leaf.inner for leaf in leaves]),
+                strict=True,
+            )
+        ]
+        total, finite = _engine.total_norm(
+            norms, [leaf.split(leaf.layer_axes) for leaf in leaves]
+        )
+        a = jnp.asarray(alpha, dtype)
+        shared = (
+            state.count < warmup,
+            _engine.clip_factor(total.astype(dtype), max_norm),
+            jnp.asarray(clip_ratio, dtype),
+            a,
+            1 - a,
+        )
+        steps = [
+            _tensor_step(*entries, *shared)
+            for entries in zip(emas, thresholds, norms, strict=True)
+        ]
+        clipped = [
+            _engine.scaled(leaf.x, leaf.broadcast(factor))
+            for leaf, (_, _, factor) in zip(leaves, steps, strict=True)
+        ]
+        return leaves.rebuild(clipped), AdaGCState(
+            ema=leaves.rebuild([ema for ema, _, _ in steps]),
+            count=_engine.count_if(finite, state.count),
+            norm=total.astype(dtype),
+            norms=leaves.rebuild(norms),
+            thresholds=leaves.rebuild([t for _, t, _ in steps]),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)

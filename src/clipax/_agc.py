@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine
+from clipax import _checks, _engine, _leaves
 
 # optax's floor on the update norm in the division: a unit whose update norm
 # is below it and above its limit is scaled to below that limit, as in optax.
@@ -18,21 +18,20 @@ DIV_EPS = 1e-6
 DEFAULT_AXES = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
 
 
-def unit_axes(
-    axes: tuple[int, ...] | None, path: _checks.KeyPath, shape: tuple[int, ...]
-) -> tuple[int, ...]:
-    """The axes a leaf's unit norms are taken over, as `optax.unitwise_norm`:
-    the whole leaf when at most one dimension is longer than 1, else
-    `DEFAULT_AXES` by rank; other ranks need `axis`."""
+def unit_axes(axes: tuple[int, ...] | None, leaf: _leaves.Leaf) -> tuple[int, ...]:
+    """The axes a leaf's unit norms are taken over (within one layer), as
+    `optax.unitwise_norm`: the whole layer when at most one of its dimensions
+    is longer than 1, else `DEFAULT_AXES` by rank; other ranks need `axis`."""
     if axes is not None:
-        return _checks.leaf_axes(axes, path, shape, name="axis")
+        return leaf.within(axes, "axis")
+    shape = tuple(leaf.x.shape[d] for d in leaf.inner)
     if sum(d != 1 for d in shape) <= 1:
-        return tuple(range(len(shape)))
+        return leaf.inner
     if len(shape) in DEFAULT_AXES:
-        return DEFAULT_AXES[len(shape)]
+        return leaf.within(DEFAULT_AXES[len(shape)])
     raise ValueError(
         f"`adaptive_grad_clip` has no default unit axes for the leaf at "
-        f"{_checks.path_str(path)} with shape {shape} (rank {len(shape)}); it "
+        f"{_leaves.path_str(leaf.path)} with shape {shape} (rank {len(shape)}); it "
         "knows ranks 0 to 5. Pass `axis` to say which axes a unit spans."
     )
 
@@ -105,22 +104,16 @@ def adaptive_grad_clip(
       Brock et al., `High-Performance Large-Scale Image Recognition Without
       Normalization <https://arxiv.org/abs/2102.06171>`_, 2021.
     """
-    _checks.threshold("clipping", clipping)
-    _checks.scalar("eps", eps, "a finite real number >= 0", low=0, high_open=True)
+    clipping = _checks.threshold("clipping", clipping)
+    eps = _checks.number("eps", eps, "a finite real number >= 0", low=0, high_open=True)
     axes = _checks.axes(axis, name="axis")
 
-    def reduced(tree: optax.Updates) -> tuple[_checks.Leaves, list[tuple[int, ...]]]:
-        """The checked leaves, and each one's unit axes (after its stacked
-        ones)."""
-        leaves = _checks.norm_leaves(tree, "adaptive_grad_clip", stacked)
-        units = []
-        for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
-            k = leaves.stacked_axes(i)
-            units.append(tuple(k + a for a in unit_axes(axes, path, x.shape[k:])))
-        return leaves, units
+    def units(tree: optax.Updates) -> tuple[_leaves.Leaves, list[tuple[int, ...]]]:
+        leaves = _leaves.leaves(tree, "adaptive_grad_clip", stacked=stacked)
+        return leaves, [unit_axes(axes, leaf) for leaf in leaves]
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        reduced(params)
+        units(params)
         return optax.EmptyState()
 
     def update_fn(
@@ -128,15 +121,16 @@ def adaptive_grad_clip(
         state: optax.EmptyState,
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, optax.EmptyState]:
-        leaves, units = reduced(updates)
-        weights = _checks.params_of(updates, params, "adaptive_grad_clip")
-        norms = _engine.tensor_norms(leaves.arrays + weights, units + units)
-        count = len(leaves.arrays)
+        leaves, reduced = units(updates)
+        weights = _leaves.params_of(leaves, updates, params, "adaptive_grad_clip")
+        w_leaves = [
+            _leaves.Leaf(leaf.path, w) for leaf, w in zip(leaves, weights, strict=True)
+        ]
+        norms = _engine.norms([*leaves, *w_leaves], reduced + reduced)
+        count = len(leaves)
         clipped = [
-            _clip_units(g, gn, wn.astype(gn.dtype), clipping, eps)
-            for g, gn, wn in zip(
-                leaves.arrays, norms[:count], norms[count:], strict=True
-            )
+            _clip_units(leaf.x, gn, wn.astype(gn.dtype), clipping, eps)
+            for leaf, gn, wn in zip(leaves, norms[:count], norms[count:], strict=True)
         ]
         return leaves.rebuild(clipped), optax.EmptyState()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -12,17 +13,16 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _adaptive, _checks, _states
-from clipax._placement import AxisName
 
 
-@_states.declare("autoclip", scalars=("count", "norm", "threshold"))
+@_states.declare("autoclip")
 class AutoClipState(NamedTuple):
     """State of `autoclip`: the recent norms and what the last update saw."""
 
     buffer: jax.Array  # float32 [history] (float64 for float64 updates): the
     # last `history` finite pre-clip global norms, the i-th (0-based) in slot
     # `i % history`; unwritten slots are 0
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: finite norms recorded (saturates)
+    count: jax.Array  # int32 scalar: finite norms recorded (saturates)
     norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
     threshold: jax.Array  # float32 scalar: the last threshold (inf before any)
 
@@ -64,7 +64,7 @@ def autoclip(
     *,
     history: int = 1000,
     ord: float | None = None,
-    axis_name: AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips the updates to a percentile of their own recent global norms.
@@ -111,10 +111,10 @@ def autoclip(
       Seetharaman et al., `AutoClip: Adaptive Gradient Clipping for Source
       Separation Networks <https://arxiv.org/abs/2007.14469>`_, 2020.
     """
-    _checks.scalar(
+    percentile = _checks.number(
         "percentile", percentile, "a real number in [0, 100]", low=0, high=100
     )
-    size = _checks.count("history", history)
+    size = _checks.integer("history", history)
     p = _checks.order(ord)
 
     def init(dtype: np.dtype) -> AutoClipState:

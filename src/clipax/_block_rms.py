@@ -9,7 +9,7 @@ import jax
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine
+from clipax import _checks, _engine, _leaves
 
 
 @jax.jit
@@ -54,10 +54,10 @@ def clip_by_block_rms(
       >>> updates["w"], updates["b"]  # RMS 3 scaled to 1; RMS 0.5 kept
       (Array([ 1., -1.,  1., -1.], dtype=float32), Array([0.5], dtype=float32))
     """
-    _checks.threshold("threshold", threshold)
+    threshold = _checks.threshold("threshold", threshold)
 
-    def checked(tree: optax.Updates) -> _checks.Leaves:
-        return _checks.norm_leaves(tree, "clip_by_block_rms", stacked)
+    def checked(tree: optax.Updates) -> _leaves.Leaves:
+        return _leaves.leaves(tree, "clip_by_block_rms", stacked=stacked)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         checked(params)
@@ -70,13 +70,12 @@ def clip_by_block_rms(
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
         leaves = checked(updates)
-        inner = [leaves.inner(i) for i in range(len(leaves.arrays))]
-        norms = _engine.tensor_norms(leaves.arrays, inner)
+        norms = _engine.norms(leaves, [leaf.inner for leaf in leaves])
         clipped = []
-        for x, n, axes in zip(leaves.arrays, norms, inner, strict=True):
-            size = math.prod(x.shape[a] for a in axes)
+        for leaf, n in zip(leaves, norms, strict=True):
+            size = math.prod(leaf.x.shape[d] for d in leaf.inner)
             factor = _rms_factor(n, math.sqrt(max(size, 1)), threshold)
-            clipped.append(_engine.scaled(x, factor))
+            clipped.append(_engine.scaled(leaf.x, factor))
         return leaves.rebuild(clipped), optax.EmptyState()
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,29 +1,30 @@
 """Norms, accumulated in float32 or wider; the clip factor, and applying it.
 
-Every norm clipax takes is read here. The global norm (`global_norm`) is exact
-for every finite input: small leaves that are whole on their device are
-concatenated per dtype into buckets, each bucket and each other leaf gives one
-partial sum of |x|**p, and the partial sums are completed across devices and
-added. When that plain sum is inf, or so small that squares may have
-underflowed, one `lax.cond` sums again with every element scaled by one power
-of two (`pow2_scale`); the common path pays one scalar test. Where a leaf may
-be split in a way only XLA knows (several devices, automatic mesh axes), the
-leaves are reduced one by one and both passes are the iterations of one
-`lax.while_loop`. Orders above 2 take the largest |x| first and sum once,
-scaled by it; the inf-norm is a maximum.
+Every norm clipax takes is read here, from the leaves' records (`_leaves`):
+a sum over a leaf is completed over exactly the mesh axes that split the
+reduced dimensions (psum; pmax for a maximum), so that a replicated leaf
+counts once; under `jax.jit` over sharded arrays XLA completes it itself.
 
-Per-tensor norms (`tensor_norms`) are the bare formula's: a float32 (float64)
-sum of squares over the reduced axes, completed across devices, and its root.
-A tensor whose squares overflow has an inf norm, and one below about 1e-19
-(float32) may read smaller: a rescaled pass for them doubled the step's
-compile time (benchmarks/RESULTS.md, "Tried and rejected").
+`global_norm` is exact for every finite input: small leaves that are whole on
+their device are concatenated per dtype into buckets, each bucket and each
+other leaf gives one partial sum of |x|**p, and the partial sums are added.
+When that plain sum is inf, or so small that terms may have underflowed, one
+`lax.cond` sums again with every element scaled by one power of two; the common
+path pays one scalar test. Where a leaf may be split in a way only XLA knows,
+both passes are the iterations of one `lax.while_loop`. Orders above 2 take the
+largest |x| first and sum once, scaled by it; the inf-norm is a maximum.
+
+`norms` gives each leaf's norms over some of its axes: the bare formula (a
+float32 sum of |x|**p and its root, as the per-tensor rules take it, whose
+squares may overflow above about 1e19), or `exact`, each norm scaled by its
+own peak where the plain sums need it (group norms).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _checks, _placement
-from clipax._placement import MeshAxes, Placements
+from clipax._checks import is_traced
+from clipax._leaves import Leaf, MeshAxes
 
 # Leaves of at most this many elements are bucketed, and a bucket holds at most
 # BUCKET_ELEMENTS: see benchmarks/RESULTS.md, "What limits each case".
@@ -50,9 +51,9 @@ def accum_dtype(dtype: Any) -> np.dtype:
     return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
-def tree_accum_dtype(leaves: Sequence[Any]) -> np.dtype:
-    """The widest `accum_dtype` over `leaves` (float32 for none)."""
-    wide = any(accum_dtype(leaf.dtype).itemsize >= 8 for leaf in leaves)
+def tree_accum_dtype(arrays: Sequence[Any]) -> np.dtype:
+    """The widest `accum_dtype` over `arrays` (float32 for none)."""
+    wide = any(accum_dtype(x.dtype).itemsize >= 8 for x in arrays)
     return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
@@ -82,10 +83,11 @@ def powers(x: jax.Array, p: float) -> jax.Array:
     return magnitude if p in (1.0, math.inf) else magnitude**p
 
 
-def power_sum(x: jax.Array, p: float, axes: tuple[int, ...] | None = None) -> jax.Array:
-    """Sum of |x|**p over `axes` (max |x| for p = inf), reduced dims kept
-    unless `axes` is None (a scalar); 0 for no elements."""
-    keep = axes is not None
+def power_sum(
+    x: jax.Array, p: float, axes: tuple[int, ...] | None = None, keep: bool = False
+) -> jax.Array:
+    """Sum of |x|**p over `axes` (max |x| for p = inf; all axes for None), the
+    reduced dims kept where `keep`; 0 for no elements."""
     if p == math.inf:
         return jnp.max(powers(x, p), axis=axes, keepdims=keep, initial=0.0)
     return jnp.sum(powers(x, p), axis=axes, keepdims=keep)
@@ -115,7 +117,7 @@ def _safe_root_jvp(p: float, primals: tuple, tangents: tuple) -> tuple:
 # The clip factor.
 
 
-class Threshold(NamedTuple):
+class Limit(NamedTuple):
     """A threshold t as `clip_factor` reads it: max(t, 0) over max(t, tiny),
     t capped at the largest float (so inf clips nothing: max / max = 1)."""
 
@@ -123,10 +125,11 @@ class Threshold(NamedTuple):
     floor: jax.Array
 
 
-def threshold(max_norm: Any, dtype: Any) -> Threshold:
+def limit(max_norm: Any, dtype: Any) -> Limit:
+    """`max_norm` (a float, or an array of any real dtype) as a `Limit`."""
     info = np.finfo(dtype)
     t = jnp.minimum(jnp.asarray(max_norm).astype(dtype), info.max)
-    return Threshold(jnp.maximum(t, 0), jnp.maximum(t, info.tiny))
+    return Limit(jnp.maximum(t, 0), jnp.maximum(t, info.tiny))
 
 
 @jax.custom_jvp
@@ -149,10 +152,10 @@ def clip_factor(norm: jax.Array, max_norm: Any) -> jax.Array:
 
     Exactly 1 at or below the threshold (a zero norm never divides); NaN for
     a NaN norm or threshold, or an inf norm; 0 for a threshold <= 0. Four
-    operations per norm (threshold terms are taken once, `threshold`): in
-    per-tensor rules each operation is compiled once per leaf.
+    operations per norm (a `Limit` is taken once, then shared): in per-tensor
+    rules each operation is compiled once per leaf.
     """
-    t = max_norm if isinstance(max_norm, Threshold) else threshold(max_norm, norm.dtype)
+    t = max_norm if isinstance(max_norm, Limit) else limit(max_norm, norm.dtype)
     return _stable_quotient(t.top + norm * 0, jnp.maximum(norm, t.floor))
 
 
@@ -176,10 +179,79 @@ def count_if(flag: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.where(flag, optax.safe_int32_increment(count), count)
 
 
+# Across devices.
+
+
+def complete(
+    values: list[jax.Array],
+    axes: list[MeshAxes],
+    varies_over: Sequence[Hashable] | None = None,
+    op: Any = jax.lax.psum,
+) -> list[jax.Array]:
+    """Each value reduced with `op` (psum, or pmax) over its mesh `axes`.
+
+    Values with the same axes travel in one collective, unless they vary over
+    different mesh axes (`varies_over`, each value's): `shard_map`'s
+    replication checks would then see them all as varying.
+    """
+    out = list(values)
+    sets: dict[Any, list[int]] = {}
+    for i, names in enumerate(axes):
+        if names:
+            key = (names, varies_over[i] if varies_over is not None else None)
+            sets.setdefault(key, []).append(i)
+    for (names, _), index in sets.items():
+        if len(index) == 1:
+            out[index[0]] = op(values[index[0]], names)
+            continue
+        reduced = op(jnp.concatenate([jnp.ravel(values[i]) for i in index]), names)
+        offset = 0
+        for i in index:
+            size = values[i].size
+            out[i] = reduced[offset : offset + size].reshape(values[i].shape)
+            offset += size
+    return out
+
+
+def pmax_all(value: jax.Array, axes: Sequence[MeshAxes]) -> jax.Array:
+    """pmax over every mesh axis in `axes`, in one collective: max is
+    idempotent, so a value already equal across some of them is unchanged."""
+    names = tuple(sorted(set().union(*axes)))
+    return jax.lax.pmax(value, names) if names else value
+
+
+def is_whole(x: Any) -> bool:
+    """Whether `x` is known to be whole on every device that holds it, so that
+    concatenating it with other such leaves moves no data between devices.
+
+    True for a concrete array on one device or replicated; for a traced value
+    whose abstract sharding names no mesh axis, when it is local to a
+    `shard_map` or `pmap` body (every mesh axis manual) or replicated over an
+    explicit mesh; and for any traced value when the process has a single
+    device. False otherwise: under `jax.jit` with several devices and
+    automatic mesh axes, a traced value's sharding is decided by XLA after
+    tracing, so clipax cannot know it.
+    """
+    if not is_traced(x):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None:  # a NumPy array: it is copied to one device anyway
+            return True
+        return len(sharding.device_set) == 1 or bool(sharding.is_fully_replicated)
+    aval_sharding = getattr(jax.typeof(x), "sharding", None)
+    if aval_sharding is not None:
+        if any(entry is not None for entry in aval_sharding.spec):
+            return False  # some dimension is split over a mesh axis
+        mesh = aval_sharding.mesh
+        if not mesh.empty:
+            auto = jax.sharding.AxisType.Auto
+            return all(kind != auto for kind in mesh.axis_types)
+    return jax.device_count() == 1
+
+
 # Buckets and partial sums.
 
 
-def _buckets(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
+def _buckets(arrays: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     """Leaf indices in buckets (small whole leaves of one dtype, in tree order,
     at most `BUCKET_ELEMENTS` each) and the leaves reduced alone; zero-size
     leaves are in neither."""
@@ -187,10 +259,10 @@ def _buckets(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     open_buckets: dict[np.dtype, list[int]] = {}
     filled: dict[np.dtype, int] = {}
     buckets: list[list[int]] = []
-    for i, x in enumerate(leaves):
+    for i, x in enumerate(arrays):
         if not x.size:
             continue
-        if x.size > SMALL_LEAF or not _placement.is_whole(x):
+        if x.size > SMALL_LEAF or not is_whole(x):
             alone.append(i)
             continue
         dtype = np.dtype(x.dtype)
@@ -203,7 +275,7 @@ def _buckets(leaves: Sequence[Any]) -> tuple[list[list[int]], list[int]]:
     return buckets, alone
 
 
-def _separate_upcast(x: jax.Array, dtype: Any = None) -> jax.Array:
+def _upcast_barrier(x: jax.Array, dtype: Any = None) -> jax.Array:
     """`x` behind an optimization barrier when it is upcast to `dtype` (its
     `accum_dtype` by default): XLA would otherwise share one float32 copy of
     a narrow leaf between the norm and the clip, and write it out whole
@@ -214,11 +286,11 @@ def _separate_upcast(x: jax.Array, dtype: Any = None) -> jax.Array:
     return x
 
 
-def _unfolded(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
-    """`(x, scale)` through one barrier, for a pass that multiplies `x` by
-    `scale`: where XLA sees `x` as a constant it rewrote (x s)**2 as x**2 s**2,
-    and s**2 overflows for the largest scales. It also keeps this pass's
-    upcast of a narrow `x` apart (`_separate_upcast`)."""
+def _scale_barrier(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
+    """`(x, scale)` through one optimization barrier, for a pass that
+    multiplies `x` by `scale`: where XLA sees `x` as a constant it rewrote
+    (x s)**2 as x**2 s**2, and s**2 overflows for the largest scales. It also
+    keeps this pass's upcast of a narrow `x` apart (`_upcast_barrier`)."""
     pair: tuple[jax.Array, jax.Array] = jax.lax.optimization_barrier(
         (x, jnp.asarray(scale))
     )
@@ -226,24 +298,24 @@ def _unfolded(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
 
 
 def partial_sums(
-    leaves: Sequence[Any], p: float, dtype: Any, scale: Any = None
+    arrays: Sequence[Any], p: float, dtype: Any, scale: Any = None
 ) -> jax.Array:
     """A vector whose sum (max for p = inf) is the sum of |x * scale|**p over
-    `leaves` (|x|**p without `scale`): one entry per bucket and per leaf
+    `arrays` (|x|**p without `scale`): one entry per bucket and per leaf
     reduced alone, each in `dtype`; at least one entry (0 for no elements)."""
-    leaves = [jnp.asarray(x) for x in leaves]
-    buckets, alone = _buckets(leaves)
+    arrays = [jnp.asarray(x) for x in arrays]
+    buckets, alone = _buckets(arrays)
 
     def prepared(x: jax.Array) -> jax.Array:
         wide = jnp.result_type(x.dtype, dtype)
         if scale is None:
-            return _separate_upcast(x, wide).astype(wide)
-        x, factor = _unfolded(x, scale)
+            return _upcast_barrier(x, wide).astype(wide)
+        x, factor = _scale_barrier(x, scale)
         return _scale_parts(x.astype(wide), factor.astype(dtype))
 
-    parts = [power_sum(prepared(leaves[i]), p) for i in alone]
+    parts = [power_sum(prepared(arrays[i]), p) for i in alone]
     for bucket in buckets:
-        pieces = [jnp.ravel(leaves[i]) for i in bucket]
+        pieces = [jnp.ravel(arrays[i]) for i in bucket]
         whole = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
         parts.append(power_sum(prepared(whole), p))
     if not parts:
@@ -268,8 +340,8 @@ def pow2_scale(bound: jax.Array, headroom: int = 0) -> jax.Array:
     """2**(headroom - e) for `bound` = m 2**e (1/2 <= m < 1): multiplying by
     it is exact and brings `bound` into [2**(headroom - 1), 2**headroom)."""
     _, exponent = jnp.frexp(bound)
-    limit = int(np.finfo(bound.dtype).maxexp) - 3
-    exponent = jnp.clip(headroom - exponent, -limit, limit)
+    top = int(np.finfo(bound.dtype).maxexp) - 3
+    exponent = jnp.clip(headroom - exponent, -top, top)
     return jax.lax.stop_gradient(jnp.ldexp(jnp.ones_like(bound), exponent))
 
 
@@ -289,12 +361,9 @@ def _second_scale(total: jax.Array, p: float) -> jax.Array:
     return pow2_scale(bound, headroom)
 
 
-def _norm_of_scaled(
-    total: jax.Array, peak: jax.Array, scale: jax.Array, p: float
-) -> jax.Array:
-    """The norm from a sum scaled by `scale`, with the peak's rules for 0, inf
-    and NaN."""
-    norm = safe_root(total, p) / scale
+def _from_peak(norm: jax.Array, peak: jax.Array) -> jax.Array:
+    """`norm` with the peak's rules: 0 for a zero peak, the peak where it is
+    inf or NaN."""
     norm = jnp.where(peak == 0, jnp.zeros_like(norm), norm)
     return jnp.where(jnp.isfinite(peak), norm, peak)
 
@@ -304,7 +373,7 @@ def _cond(
 ) -> Any:
     """`lax.cond` when traced; eagerly the host chooses, since an eager
     `lax.cond` over closures compiles anew at every call."""
-    if _checks.is_traced(pred):
+    if is_traced(pred):
         return jax.lax.cond(pred, if_true, if_false)
     return if_true() if bool(pred) else if_false()
 
@@ -312,54 +381,46 @@ def _cond(
 # The global norm.
 
 
-def global_norm(
-    leaves: list[Any], p: float, placements: Placements | None = None
-) -> jax.Array:
-    """The p-norm over all `leaves`, exact for every finite input.
-
-    With `placements` (`_placement.leaf_placements`), leaves are local blocks
-    and the result is the whole sharded tree's norm, the same on every device.
-    """
-    dtype = tree_accum_dtype(leaves)
-    if not leaves:
+def global_norm(items: Sequence[Leaf], p: float) -> jax.Array:
+    """The p-norm over all leaves, exact for every finite input; where the
+    leaves are placed (`specs`, `axis_name`), the whole sharded tree's norm,
+    the same on every device."""
+    arrays = [leaf.x for leaf in items]
+    dtype = tree_accum_dtype(arrays)
+    if not arrays:
         return jnp.zeros((), dtype)
-    if placements is None:
-        axes: list[MeshAxes] = [()] * len(leaves)
-    else:
-        axes = [_placement.split_axes(e) for e in placements]
     members: dict[MeshAxes, list[int]] = {}
-    for i, names in enumerate(axes):
-        members.setdefault(names, []).append(i)
+    for i, leaf in enumerate(items):
+        members.setdefault(leaf.split(), []).append(i)
     sets = list(members)
 
-    def summed(leaves: list[jax.Array], scale: jax.Array | None) -> jax.Array:
+    def summed(arrays: list[jax.Array], scale: jax.Array | None) -> jax.Array:
         """Sum of |x * scale|**p over all leaves, one psum per mesh-axis set."""
         sums = [
-            jnp.sum(partial_sums([leaves[i] for i in members[k]], p, dtype, scale))
+            jnp.sum(partial_sums([arrays[i] for i in members[k]], p, dtype, scale))
             for k in sets
         ]
-        return jnp.sum(jnp.stack(_placement.psum_each(sums, sets)))
+        return jnp.sum(jnp.stack(complete(sums, sets)))
 
     def peak() -> jax.Array:
         """The largest |x| over all leaves, in one pmax."""
-        local = jnp.max(partial_sums(leaves, math.inf, dtype))
-        return _placement.pmax_everywhere(local, sets)
+        return pmax_all(jnp.max(partial_sums(arrays, math.inf, dtype)), sets)
 
     if p == math.inf:
         return peak()
     if p > 2:  # rare orders: the peak, then one sum scaled by it
         top = peak()
         scale = pow2_scale(top)
-        return _norm_of_scaled(summed(leaves, scale), top, scale, p)
-    return _two_pass_norm(summed, leaves, p)
+        return _from_peak(safe_root(summed(arrays, scale), p) / scale, top)
+    return _two_pass_norm(summed, arrays, p)
 
 
 def _two_pass_norm(
     summed: Callable[[list[jax.Array], jax.Array | None], jax.Array],
-    leaves: list[jax.Array],
+    arrays: list[jax.Array],
     p: float,
 ) -> jax.Array:
-    """The p-norm (1 <= p <= 2) from `summed(leaves, scale)`: the plain sum,
+    """The p-norm (1 <= p <= 2) from `summed(arrays, scale)`: the plain sum,
     then a second at `_second_scale` where the first `_needs_rescale`.
 
     The plain pass is optax's bare sum: a sum of scaled powers runs about
@@ -370,16 +431,16 @@ def _two_pass_norm(
     when the jitted caller is itself differentiated.
     """
 
-    def passes(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def passes(arrays: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(total, scale) of the last pass."""
-        if any(_checks.is_traced(x) and not _placement.is_whole(x) for x in leaves):
-            return _looped_passes(summed, leaves, p)
-        total = summed(leaves, None)
+        if any(is_traced(x) and not is_whole(x) for x in arrays):
+            return _looped_passes(summed, arrays, p)
+        total = summed(arrays, None)
         one = jnp.ones_like(total)  # typed as `total` is inside shard_map
 
         def rescaled() -> tuple[jax.Array, jax.Array]:
             scale = _second_scale(total, p)
-            return summed(leaves, scale), scale
+            return summed(arrays, scale), scale
 
         pair: tuple[jax.Array, jax.Array] = _cond(
             _needs_rescale(total), rescaled, lambda: (total, one)
@@ -387,8 +448,8 @@ def _two_pass_norm(
         return pair
 
     @jax.custom_jvp
-    def norm(leaves: list[jax.Array]) -> jax.Array:
-        total, scale = passes(leaves)
+    def norm(arrays: list[jax.Array]) -> jax.Array:
+        total, scale = passes(arrays)
         return safe_root(total, p) / scale
 
     @norm.defjvp
@@ -401,7 +462,7 @@ def _two_pass_norm(
         value, slope = jax.jvp(lambda ys: safe_root(summed(ys, one), p), (ys,), (dots,))
         return value / scale, slope
 
-    return norm(list(leaves))
+    return norm(list(arrays))
 
 
 def _upcast(x: jax.Array) -> jax.Array:
@@ -413,14 +474,14 @@ def _upcast(x: jax.Array) -> jax.Array:
 
 def _looped_passes(
     summed: Callable[[list[jax.Array], jax.Array | None], jax.Array],
-    leaves: list[jax.Array],
+    arrays: list[jax.Array],
     p: float,
 ) -> tuple[jax.Array, jax.Array]:
     """`_two_pass_norm`'s (total, scale) as the iterations of one
     `lax.while_loop`, so that each leaf's reduction is compiled once, not once
     per pass (benchmarks/RESULTS.md, "On 8 devices"): the first at scale 1,
     the second only where the first `_needs_rescale`."""
-    dtype = tree_accum_dtype(leaves)
+    dtype = tree_accum_dtype(arrays)
     one = jnp.ones((), dtype)
 
     def again(carry: tuple) -> jax.Array:
@@ -429,7 +490,7 @@ def _looped_passes(
 
     def one_pass(carry: tuple) -> tuple:
         _, _, scale, count = carry
-        total = summed(leaves, scale)
+        total = summed(arrays, scale)
         return total, scale, _second_scale(total, p), count + 1
 
     start = (jnp.zeros((), dtype), one, one, jnp.zeros((), jnp.int32))
@@ -437,110 +498,144 @@ def _looped_passes(
     return total, scale
 
 
-def norm_of_norms(norms: jax.Array, p: float = 2.0) -> jax.Array:
-    """The p-norm of `norms` (>= 0) along axis 0, scaled by `pow2_scale` of
+# Norms over some axes of each leaf.
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _power_sum(x: jax.Array, p: float, axes: tuple[int, ...], keep: bool) -> jax.Array:
+    """`power_sum`, jitted so that leaves of one shape and dtype share one
+    trace (benchmarks/RESULTS.md, "What limits each case")."""
+    return power_sum(_upcast_barrier(x), p, axes, keep)
+
+
+_root = jax.jit(safe_root, static_argnums=1)
+
+
+def norms(
+    items: Sequence[Leaf],
+    reduced: Sequence[tuple[int, ...]],
+    p: float = 2.0,
+    *,
+    exact: bool = False,
+) -> list[jax.Array]:
+    """Each leaf's p-norms over its `reduced` axes, in float32 (float64 for
+    float64 leaves): a scalar where all of a leaf's axes are reduced, else
+    the reduced dims kept (size 1). Each sum is completed over the mesh axes
+    that split the reduced dimensions, so every norm is the whole tensor's.
+
+    The plain norm is the bare formula. An `exact` one is right for every
+    finite input: where a plain sum is inf or may have underflowed (one
+    `lax.cond` for the call), each norm is taken again, scaled by its peak.
+    """
+    arrays = [jnp.asarray(leaf.x) for leaf in items]
+    keep = [len(axes) < x.ndim for x, axes in zip(arrays, reduced, strict=True)]
+
+    def sums(q: float, scales: list[Any] | None = None) -> list[jax.Array]:
+        out = []
+        for i, (x, axes) in enumerate(zip(arrays, reduced, strict=True)):
+            if scales is None:
+                out.append(_power_sum(x, q, axes, keep[i]))
+                continue
+            x, scale = _scale_barrier(x, scales[i])
+            out.append(power_sum(_scale_parts(_upcast(x), scale), q, axes, keep[i]))
+        split = [leaf.split(axes) for leaf, axes in zip(items, reduced, strict=True)]
+        op = jax.lax.pmax if q == math.inf else jax.lax.psum
+        return complete(out, split, [leaf.split() for leaf in items], op)
+
+    def scaled_by_peaks() -> list[jax.Array]:
+        peaks = sums(math.inf)
+        scales = [
+            pow2_scale(jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m)))
+            for m in peaks
+        ]
+        return [
+            _from_peak(safe_root(t, p) / s, m)
+            for t, s, m in zip(sums(p, scales), scales, peaks, strict=True)
+        ]
+
+    if p == math.inf:
+        return sums(p)
+    if exact and p > 2:
+        return scaled_by_peaks()
+    totals = sums(p)
+    plain = [_root(t, p) for t in totals]
+    if not exact or not plain:
+        return plain
+    needs = jnp.any(jnp.stack([jnp.any(_needs_rescale(t)) for t in totals]))
+    return list(_cond(needs, scaled_by_peaks, lambda: plain))
+
+
+def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
+    """The p-norm of `values` (>= 0) along axis 0, scaled by `pow2_scale` of
     the largest entry so that it neither overflows nor underflows where the
     entries do not; NaN if an entry is NaN, else inf if one is inf."""
-    if norms.shape[0] == 0:
-        return jnp.zeros(norms.shape[1:], norms.dtype)
-    peak = jnp.max(norms, axis=0)
+    if values.shape[0] == 0:
+        return jnp.zeros(values.shape[1:], values.dtype)
+    peak = jnp.max(values, axis=0)
     if p == math.inf:
         return peak
     usable = jnp.isfinite(peak) & (peak > 0)
     scale = pow2_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
-    norms, factor = _unfolded(norms, scale)
-    total = safe_root(jnp.sum(powers(norms * factor, p), axis=0), p) / scale
-    return jnp.where(jnp.isfinite(peak), total, jnp.sum(norms, axis=0))
+    values, factor = _scale_barrier(values, scale)
+    total = safe_root(jnp.sum(powers(values * factor, p), axis=0), p) / scale
+    return jnp.where(jnp.isfinite(peak), total, jnp.sum(values, axis=0))
 
 
-def norm_of_layer_norms(
-    norms: list[jax.Array], layer_axes: list[MeshAxes] | None = None
+def total_norm(
+    norms: list[jax.Array], layer_axes: list[MeshAxes]
 ) -> tuple[jax.Array, jax.Array]:
     """The L2 norm of all tensors' norms (their global norm), and whether all
-    of those are finite, from each tensor's norms (one per layer of a stacked
-    tensor), scaled by `pow2_scale` of the largest; NaN if a norm is NaN, else
-    inf if one is inf. Where a tensor's layers are split across devices
-    (`layer_axes`: per tensor, the mesh axes that split its stacked axes),
-    both are completed across them, so that every device has the same."""
+    of those are finite, from each leaf's norms (one per layer of a stacked
+    leaf); NaN if a norm is NaN, else inf if one is inf. Where a leaf's layers
+    are split across devices (`layer_axes`, per leaf), both are completed
+    across them, so that every device has the same."""
     if not norms:
         return jnp.zeros((), np.float32), jnp.asarray(True)
-    layer_axes = list(layer_axes or [()] * len(norms))
-    # One vector of the scalars (a few operations whatever their number); a
-    # stacked tensor's norms kept apart (they may be split over mesh axes).
+    # The scalars as one vector (a few operations whatever their number); a
+    # stacked leaf's norms kept apart (they may be split over mesh axes).
     scalars = [n for n in norms if n.ndim == 0]
     parts = [n for n in norms if n.ndim] + ([jnp.stack(scalars)] if scalars else [])
     axes = [a for n, a in zip(norms, layer_axes, strict=True) if n.ndim]
     axes += [()] if scalars else []
-    sets = [names for names in dict.fromkeys(axes) if names]
-    peak = jnp.max(jnp.stack([jnp.max(part, initial=0.0) for part in parts]))
-    broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(part)) for part in parts]))
-    if sets:
-        peak = _placement.pmax_everywhere(peak, sets)
-        broken = _placement.pmax_everywhere(broken, sets)
+    peak = pmax_all(jnp.max(jnp.stack([jnp.max(v, initial=0.0) for v in parts])), axes)
+    broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(v)) for v in parts]))
+    broken = pmax_all(broken, axes)
     scale = pow2_scale(jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0))
-    sums = [jnp.sum(jnp.square(part * scale)) for part in parts]
-    if sets:
-        sums = _placement.psum_each(sums, axes)
+    sums = complete([jnp.sum(jnp.square(v * scale)) for v in parts], axes)
     total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
+
+
+def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
+    """`values`, split along `dim` over the mesh axes `names` (inside
+    `shard_map`), whole on every device: each device's block put in its place
+    in zeros, then summed, which `shard_map` knows to be replicated."""
+    local = values.shape[dim]
+    count = int(jax.lax.psum(1, names))  # the number of blocks, known when traced
+    shape = (*values.shape[:dim], local * count, *values.shape[dim + 1 :])
+    start = jax.lax.axis_index(names) * local
+    placed = jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros(shape, values.dtype), values, start, dim
+    )
+    return jax.lax.psum(placed, names)
+
+
+def replicated(x: jax.Array) -> jax.Array:
+    """`x` (a few norms) whole on every device where it is split over explicit
+    mesh axes under `jax.jit`; as it is elsewhere."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(e is None for e in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
 
 
 def entry(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
     """`array[index]`; where the array is split over explicit mesh axes, as a
     masked sum, which needs no resharding (indexing would)."""
     sharding = getattr(jax.typeof(array), "sharding", None)
-    if sharding is None or all(entry is None for entry in sharding.spec):
+    if sharding is None or all(e is None for e in sharding.spec):
         return array[index]
     hit = jnp.ones(array.shape, bool)
     for dim, i in enumerate(index):
         hit &= jax.lax.broadcasted_iota(jnp.int32, array.shape, dim) == i
     return jnp.sum(jnp.where(hit, array, jnp.zeros_like(array)))
-
-
-def layer_norms(
-    leaves: _checks.Leaves, placements: Placements | None = None
-) -> list[jax.Array]:
-    """Each tensor's L2 norm, shaped as its stacked axes (a scalar for a leaf
-    not stacked): one reduction over each leaf's inner axes."""
-    inner = [leaves.inner(i) for i in range(len(leaves.arrays))]
-    norms = tensor_norms(leaves.arrays, inner, placements)
-    return [n.reshape(leaves.layers(i)) for i, n in enumerate(norms)]
-
-
-# Per-tensor norms.
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _sum_of_squares(x: jax.Array, axes: tuple[int, ...], keep: bool) -> jax.Array:
-    """The float32 (or wider) sum of squares of `x` over `axes`. Jitted, as
-    `_root` is, so that leaves of one shape and dtype share one trace
-    (benchmarks/RESULTS.md, "What limits each case")."""
-    return jnp.sum(powers(_separate_upcast(x), 2.0), axis=axes, keepdims=keep)
-
-
-_root = jax.jit(safe_root, static_argnums=1)
-
-
-def tensor_norms(
-    leaves: Sequence[Any],
-    reduced: Sequence[tuple[int, ...]],
-    placements: Placements | None = None,
-) -> list[jax.Array]:
-    """Each leaf's L2 norms over its `reduced` axes, in float32 (float64 for
-    float64 leaves): a scalar where all of a leaf's axes are reduced, else the
-    reduced dims kept (size 1).
-
-    With `placements`, each sum is completed over the mesh axes that split
-    its reduced dimensions, so every norm is the whole tensor's (or slice's).
-    """
-    arrays = [jnp.asarray(x) for x in leaves]
-    sums = [
-        _sum_of_squares(x, axes, len(axes) < x.ndim)
-        for x, axes in zip(arrays, reduced, strict=True)
-    ]
-    if placements is not None:
-        split = zip(placements, reduced, strict=True)
-        axes = [_placement.split_axes(e, a) for e, a in split]
-        varying = [_placement.split_axes(e) for e in placements]
-        sums = _placement.psum_each(sums, axes, varies_over=varying)
-    return [_root(total, 2.0) for total in sums]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -9,13 +10,11 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _placement, _states
+from clipax import _checks, _engine, _leaves, _states
 from clipax.tree import _global_norm as tree_global_norm
 
 
-@_states.declare(
-    "clip_by_global_norm", scalars=("norm", "nonfinite_count", "threshold")
-)
+@_states.declare("clip_by_global_norm")
 class ClipByGlobalNormState(NamedTuple):
     """State of `clip_by_global_norm`: the norm it saw last, for logging.
 
@@ -41,7 +40,7 @@ def clip_by_global_norm(
     nonfinite: str | bool = "nan",
     foreach: bool | None = None,
     *,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """Scales the updates so that their global norm is at most `max_norm`.
@@ -90,13 +89,13 @@ def clip_by_global_norm(
       <https://arxiv.org/abs/1211.5063>`_, 2012.
     """
     del foreach  # means nothing in JAX
-    _checks.threshold("max_norm", max_norm)
+    max_norm = _checks.threshold("max_norm", max_norm)
     p = _checks.order(ord)
     names = _checks.axis_name(axis_name)
     mode = tree_global_norm.nonfinite_mode(nonfinite)
 
     def init_fn(params: optax.Params) -> ClipByGlobalNormState:
-        leaves = _checks.norm_leaves(params, "clip_by_global_norm")
+        leaves = _leaves.leaves(params, "clip_by_global_norm")
         dtype = _engine.tree_accum_dtype(leaves.arrays)
         return ClipByGlobalNormState(
             norm=jnp.zeros((), dtype),
@@ -110,15 +109,14 @@ def clip_by_global_norm(
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByGlobalNormState]:
         del params
-        leaves = _checks.norm_leaves(updates, "clip_by_global_norm")
-        placements = _placement.leaf_placements(leaves, specs, names)
-        clipped, norm, finite = tree_global_norm.clip_leaves(
-            leaves, max_norm, p, placements, mode
+        leaves = _leaves.leaves(
+            updates, "clip_by_global_norm", specs=specs, axis_name=names
         )
+        clipped, norm, finite = tree_global_norm.clip_leaves(leaves, max_norm, p, mode)
         dtype = state.norm.dtype
         return clipped, ClipByGlobalNormState(
             norm=norm.astype(dtype),
-            nonfinite_count=state.nonfinite_count + jnp.where(finite, 0, 1),
+            nonfinite_count=_engine.count_if(~finite, state.nonfinite_count),
             threshold=jnp.asarray(max_norm).astype(dtype),
         )
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from clipax import _checks, _engine, _states
-
-PyTree = Any
+from clipax import _engine, _states
+from clipax._checks import short_repr
+from clipax._leaves import layer_keys, path_str
 
 SEPARATOR = "/"
 TWICE = (
@@ -50,11 +50,9 @@ def _unwrap(node: Any) -> Any:
     return node.get_value() if hasattr(type(node), "get_value") else node.value
 
 
-def _scalar(value: Any) -> jax.Array | None:
-    value = _unwrap(value)
-    if hasattr(value, "shape") and hasattr(value, "dtype") and value.shape == ():
-        return jnp.asarray(value)
-    return None
+def _is_variable(node: Any) -> bool:
+    nnx = _nnx()
+    return bool(nnx) and isinstance(node, nnx.Variable)
 
 
 def _put(out: dict[str, jax.Array], key: str, value: jax.Array) -> None:
@@ -67,82 +65,78 @@ def _join(prefix: str, segment: str) -> str:
     return f"{prefix}{SEPARATOR}{segment}" if prefix else segment
 
 
-def _add_clip_facts(stats: dict[str, jax.Array], where: str) -> None:
-    """`clipped` and `clip_factor` beside a `norm` and a `threshold`."""
-    norm, threshold = _join(where, "norm"), _join(where, "threshold")
-    if norm in stats and threshold in stats:
-        n, t = stats[norm], stats[threshold]
-        _put(stats, _join(where, "clipped"), n > t.astype(n.dtype))
-        _put(stats, _join(where, "clip_factor"), _engine.clip_factor(n, t))
+def _clip_facts(norm: jax.Array, threshold: jax.Array) -> dict[str, jax.Array]:
+    """`clipped` and `clip_factor`, from a `norm` and a `threshold`."""
+    return {
+        "clipped": norm > threshold.astype(norm.dtype),
+        "clip_factor": _engine.clip_factor(norm, threshold),
+    }
 
 
-def _per_tensor(field: str, stat: str, value: Any) -> dict[str, jax.Array]:
-    """One entry per tensor, `<tensor path>/<stat>` (the empty path `root`);
-    for a stacked tensor, one per layer, its index in the path where the
-    stacked subtree starts (`StackedStats.depths`).
+def _per_tensor(state: Any, declared: _states.Declared) -> dict[str, jax.Array]:
+    """One entry per tensor of each per-tensor field, `<tensor path>/<stat>`
+    (the empty path `root`); for a stacked tensor, one per layer, its index
+    where its stack starts (`_leaves.layer_keys`).
 
     Raises:
       ValueError: naming both leaves, if two paths join to one key (a dict key
         holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`).
     """
-    nnx = _nnx()
-    stacked = isinstance(value, _states.StackedStats)
-    flat, _ = jax.tree_util.tree_flatten_with_path(
-        _states.per_tensor_tree(value),
-        is_leaf=lambda x: bool(nnx) and isinstance(x, nnx.Variable),
-    )
-    arrays = [_unwrap(leaf) for _, leaf in flat]
-    if not stacked:  # one scalar per tensor; others (buffers) are left out
-        kept = [j for j, x in enumerate(arrays) if _scalar(x) is not None]
-        flat, arrays = [flat[j] for j in kept], [arrays[j] for j in kept]
-    paths = [path for path, _ in flat]
-    layers = [tuple(x.shape) if stacked else () for x in arrays]
-    depths = value.depths if stacked else (0,) * len(paths)
-    out: dict[str, jax.Array] = {}
-    seen: dict[str, _checks.KeyPath] = {}
-    for j, index, keys in _checks.unrolled(paths, layers, depths):
+    fields: dict[str, list[Any]] = {}
+    paths: list[Any] = []
+    for field, stat in declared.per_tensor.items():
+        flat = jax.tree_util.tree_flatten_with_path(
+            getattr(state, field), is_leaf=_is_variable
+        )[0]
+        paths = [path for path, _ in flat]
+        fields[stat] = [jnp.asarray(_unwrap(x)) for _, x in flat]
+    if not fields:
+        return {}
+    if "norm" in fields and "threshold" in fields:  # whole vectors, then entries
+        facts = [
+            _clip_facts(*pair)
+            for pair in zip(fields["norm"], fields["threshold"], strict=True)
+        ]
+        for name in ("clipped", "clip_factor"):
+            fields[name] = [fact[name] for fact in facts]
+    shapes = [x.shape for x in next(iter(fields.values()))]
+    unrolled = layer_keys(paths, shapes)
+    seen: dict[str, Any] = {}
+    for i, _, keys in unrolled:
         where = SEPARATOR.join(keys) or "root"
-        if where in seen:
+        if seen.setdefault(where, paths[i]) != paths[i]:
             raise ValueError(
-                "`clipax.metrics` got the leaves at "
-                f"{_checks.path_str(seen[where])} and {_checks.path_str(paths[j])} "
-                f"of `{field}`, whose paths both join to {where!r} with "
-                f"{SEPARATOR!r}; one key would hide the other. Rename a key so "
-                f"that no dict key holds {SEPARATOR!r}."
+                f"`clipax.metrics` got the leaves at {path_str(seen[where])} and "
+                f"{path_str(paths[i])}, whose paths both join to {where!r} with "
+                f"{SEPARATOR!r}; one key would hide the other. Rename a key so that "
+                f"no dict key holds {SEPARATOR!r}."
             )
-        seen[where] = paths[j]
-        array = jnp.asarray(arrays[j])
-        out[_join(where, stat)] = (
-            array if index is None else _engine.entry(array, index)
-        )
+    out: dict[str, jax.Array] = {}
+    for stat, values in fields.items():
+        for i, index, keys in unrolled:
+            value = values[i] if index is None else _engine.entry(values[i], index)
+            _put(out, _join(SEPARATOR.join(keys) or "root", stat), value)
     return out
 
 
 def _statistics(state: Any, declared: _states.Declared) -> dict[str, jax.Array]:
     """One clipax state's statistics, as its class declares them."""
     stats: dict[str, jax.Array] = {}
-    for field in declared.scalars:
-        if (scalar := _scalar(getattr(state, field))) is not None:
-            _put(stats, field, scalar)
-    _add_clip_facts(stats, "")
-    tensors: dict[str, jax.Array] = {}
-    for field, stat in declared.per_tensor.items():
-        for key, value in _per_tensor(field, stat, getattr(state, field)).items():
-            _put(tensors, key, value)
-    for key in [k for k in tensors if k.endswith(f"{SEPARATOR}norm")]:
-        _add_clip_facts(tensors, key[: -len(f"{SEPARATOR}norm")])
-    for key, value in tensors.items():
+    for field in declared.fields:
+        value = _unwrap(getattr(state, field))
+        if field in declared.per_tensor or field == declared.inner:
+            continue
+        if getattr(value, "shape", None) == ():
+            stats[field] = jnp.asarray(value)
+    if "norm" in stats and "threshold" in stats:
+        stats.update(_clip_facts(stats["norm"], stats["threshold"]))
+    for key, value in _per_tensor(state, declared).items():
         _put(stats, key, value)
     return stats
 
 
 def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
-    nnx = _nnx()
-    if (
-        node is None
-        or hasattr(node, "dtype")
-        or (nnx and isinstance(node, nnx.Variable))
-    ):
+    if node is None or hasattr(node, "dtype") or _is_variable(node):
         return
     declared = _states.DECLARED.get(type(node))
     if declared is not None:
@@ -158,7 +152,7 @@ def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
         _walk(child, _join(prefix, label if name == inner else name), out)
 
 
-def _check_state(opt_state: PyTree) -> None:
+def _check_state(opt_state: Any) -> None:
     """An optimizer state: a pytree of arrays holding at least one state node
     (every optax and clipax state is a NamedTuple), or None.
 
@@ -186,7 +180,7 @@ def _check_state(opt_state: PyTree) -> None:
     for leaf in nodes:
         if not (isinstance(leaf, tuple) or hasattr(leaf, "dtype")):
             raise TypeError(
-                f"{what}; got {_checks.short_repr(opt_state)}, which holds a "
+                f"{what}; got {short_repr(opt_state)}, which holds a "
                 f"{type(leaf).__name__}."
             )
     if not any(isinstance(leaf, tuple) for leaf in nodes):
@@ -196,17 +190,17 @@ def _check_state(opt_state: PyTree) -> None:
         )
 
 
-def metrics(opt_state: PyTree) -> dict[str, jax.Array]:
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
     """Every statistic clipax keeps in an optimizer state, as a flat dict.
 
     Walks `opt_state` (optax's chains and wrappers, `clipax.skip_spikes`, an
-    `nnx.Optimizer`) and reports every clipax state in it, as its class
-    declares: its scalar statistics, and one entry per tensor for per-tensor
-    ones (`clip_by_norm`'s `norms`). Beside a `norm` and a `threshold` it adds
-    `clipped` and `clip_factor`. Every value is a scalar `jax.Array` taken
-    from the state: the call is jittable and never syncs with the host. Keys
-    are `/`-separated paths ending with the statistic's name, the same every
-    step (docs/skipping-and-logging.md gives the scheme).
+    `nnx.Optimizer`) and reports every clipax state in it: its scalar
+    statistics, and one entry per tensor for per-tensor ones (`clip_by_norm`'s
+    `norms`; one per layer of a stacked tensor). Beside a `norm` and a
+    `threshold` it adds `clipped` and `clip_factor`. Every value is a scalar
+    `jax.Array` taken from the state: the call is jittable and never syncs
+    with the host. Keys are `/`-separated paths ending with the statistic's
+    name, the same every step (docs/skipping-and-logging.md gives the scheme).
 
     Args:
       opt_state: an optimizer state (any pytree), or an `nnx.Optimizer`.

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _checks, _states
+from clipax import _states
+from clipax._leaves import path_str
 
 PyTree = Any
 
@@ -84,60 +85,43 @@ def _describe(node: Any) -> str:
 
 
 def _leaf(old: Any, new: Any, where: str) -> Any:
-    if not _is_leaf(old) and not (hasattr(old, "shape") and hasattr(old, "dtype")):
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the new state holds {_describe(new)}, the old "
-                f"state {_describe(old)}",
-            )
-        )
-    old_shape, new_shape = np.shape(old), np.shape(new)
-    old_dtype, new_dtype = _dtype(old), _dtype(new)
-    if old_shape != new_shape:
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the old array has shape {old_shape}, the new one {new_shape}",
-            )
-        )
+    old_dtype = _dtype(old) if _is_leaf(old) or hasattr(old, "shape") else None
+    new_dtype = _dtype(new)
     # Kinds in jnp's dtype lattice, not NumPy's: it puts bfloat16 and float8
     # (ml_dtypes) under floating, and int4 under integer. A typed PRNG key
     # matches only a key of the same implementation: there is no cast.
     kinds = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
-    extended = _is_extended(old_dtype) or _is_extended(new_dtype)
-    same_kind = (
-        old_dtype == new_dtype
+    extended = old_dtype is not None and (
+        _is_extended(old_dtype) or _is_extended(new_dtype)
+    )
+    if old_dtype is None:
+        why = f"the new state holds {_describe(new)}, the old state {_describe(old)}"
+    elif np.shape(old) != np.shape(new):
+        why = f"the old array has shape {np.shape(old)}, the new one {np.shape(new)}"
+    elif (
+        (old_dtype != new_dtype)
         if extended
-        else any(
+        else not any(
             jnp.issubdtype(old_dtype, k) and jnp.issubdtype(new_dtype, k) for k in kinds
         )
-    )
-    if not same_kind:
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the old array has dtype {old_dtype}, the new one {new_dtype}",
-            )
-        )
-
-    def cast(value: Any) -> Any:
-        # A key array (a jax.Array or tracer) is of new's dtype already and
-        # has no `astype`.
-        return value if extended else value.astype(new_dtype)
-
+    ):
+        why = f"the old array has dtype {old_dtype}, the new one {new_dtype}"
+    else:
+        why = None
+    if why is not None:
+        raise ValueError(MISMATCH.format(path=where, why=why))
+    if not isinstance(old, jax.Array):
+        old = np.asarray(old)
+    value = old if extended else old.astype(new_dtype)
     if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
-        return cast(jnp.asarray(old))  # under jax.jit
+        return jnp.asarray(value)  # under jax.jit
     if isinstance(new, jax.Array):
-        value = cast(old if isinstance(old, jax.Array) else np.asarray(old))
-        if isinstance(value, jax.Array) and value.sharding == new.sharding:
-            return value
         return jax.device_put(value, new.sharding)
-    return np.asarray(old).astype(new_dtype)
+    return np.asarray(value)
 
 
 def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
-    where = _checks.path_str(path)
+    where = path_str(path)
     if _is_empty(new):
         if _is_empty(old) or _is_statistics(old):
             return new
@@ -197,7 +181,7 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
         else:
             raise ValueError(
                 MISMATCH.format(
-                    path=_checks.path_str((*path, key)),
+                    path=path_str((*path, key)),
                     why="the old state has no part there",
                 )
             )

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clipax import _checks
+from clipax._checks import is_traced
+from clipax._leaves import Leaves, path_str
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -101,11 +102,11 @@ def _host_bool(x: jax.Array) -> bool:
     return bool(np.asarray(x.addressable_data(0)))
 
 
-def raise_if_nonfinite(leaves: _checks.Leaves, finite: jax.Array, fn_name: str) -> None:
+def raise_if_nonfinite(leaves: Leaves, finite: jax.Array, fn_name: str) -> None:
     """Raises `NonFiniteError` now (eagerly), or from a host callback on every
     device (traced), when `finite` is False."""
-    paths = [_checks.path_str(path) for path in leaves.paths] or ["<none>"]
-    if not _checks.is_traced(finite):
+    paths = [path_str(leaf.path) for leaf in leaves] or ["<none>"]
+    if not is_traced(finite):
         if not _host_bool(finite):
             flags = [_host_bool(jnp.all(jnp.isfinite(x))) for x in leaves.arrays]
             raise _error(fn_name, paths, flags or [False])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _placement, _states
+from clipax import _checks, _engine, _leaves, _states
 from clipax.tree import _norm as tree_norm
 
 
@@ -18,7 +19,7 @@ class ClipByNormState(NamedTuple):
     """State of `clip_by_norm`: each leaf's pre-clip norm at the last update."""
 
     norms: chex.ArrayTree  # the updates' tree with a float32 scalar per leaf
-    # (one per layer of a stacked leaf, in a `StackedStats`)
+    # (a vector, one per layer, for a stacked leaf)
 
 
 @_checks.peer_names(
@@ -33,7 +34,7 @@ def clip_by_norm(
     name: str | None = None,
     *,
     stacked: Any = None,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips each update leaf on its own to L2 norm `max_norm`.
@@ -79,20 +80,26 @@ def clip_by_norm(
       Array(5., dtype=float32)
     """
     del name  # means nothing in JAX
-    _checks.threshold("max_norm", max_norm)
+    max_norm = _checks.threshold("max_norm", max_norm)
     axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
 
-    def checked(tree: optax.Params) -> _checks.Leaves:
-        return _checks.norm_leaves(tree, "clip_by_norm", stacked)
+    def checked(tree: optax.Params) -> _leaves.Leaves:
+        return _leaves.leaves(
+            tree, "clip_by_norm", stacked=stacked, specs=specs, axis_name=names
+        )
 
     def init_fn(params: optax.Params) -> ClipByNormState:
         leaves = checked(params)
-        _checks.each_inner_axes(axes, leaves)
-        zeros = [
-            jnp.zeros(leaves.layers(i), _engine.accum_dtype(x.dtype))
-            for i, x in enumerate(leaves.arrays)
-        ]
-        return ClipByNormState(norms=_states.per_tensor(leaves, zeros))
+        for leaf in leaves:
+            leaf.within(axes)  # out of range: an error at init
+        return ClipByNormState(
+            norms=leaves.rebuild(
+                [
+                    jnp.zeros(leaf.layers, _engine.accum_dtype(leaf.x.dtype))
+                    for leaf in leaves
+                ]
+            )
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -101,16 +108,8 @@ def clip_by_norm(
     ) -> tuple[optax.Updates, ClipByNormState]:
         del params
         leaves = checked(updates)
-        _checks.state_entries(
-            "clip_by_norm",
-            leaves,
-            _states.per_tensor_tree(state.norms),
-            [leaves.layers(i) for i in range(len(leaves.arrays))],
-        )
-        placements = _placement.leaf_placements(leaves, specs, names)
-        reduced = _checks.each_inner_axes(axes, leaves)
-        clipped, norms = tree_norm.clip_leaves(leaves, max_norm, reduced, placements)
-        peaks = tree_norm.peak_norms(norms, leaves, placements)
-        return clipped, ClipByNormState(norms=_states.per_tensor(leaves, peaks))
+        _leaves.check_state("clip_by_norm", leaves, state.norms)
+        clipped, peaks = tree_norm.clip_leaves(leaves, max_norm, axes)
+        return clipped, ClipByNormState(norms=leaves.rebuild(peaks))
 
     return optax.GradientTransformation(init_fn, update_fn)

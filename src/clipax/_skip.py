@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -9,27 +10,10 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _placement, _states
+from clipax import _checks, _engine, _leaves, _states
 
 
-@_states.declare(
-    "skip_spikes",
-    scalars=(
-        "skipped",
-        "forced",
-        "skipped_count",
-        "consecutive_skips",
-        "accepted_count",
-        "norm",
-        "norm_mean",
-        "norm_variance",
-        "loss",
-        "loss_count",
-        "loss_mean",
-        "loss_variance",
-    ),
-    inner="inner_state",
-)
+@_states.declare("skip_spikes", inner="inner_state")
 class SkipSpikesState(NamedTuple):
     """State of `skip_spikes`: the wrapped state and the spike statistics.
 
@@ -89,7 +73,7 @@ def skip_spikes(
     warmup_steps: int = 64,
     max_consecutive_skips: int = 10,
     max_norm: ArrayLike | None = None,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Skips a step whose gradient norm (or loss) is non-finite or a spike.
@@ -140,18 +124,19 @@ def skip_spikes(
       (Array([0., 0.], dtype=float32), Array(True, dtype=bool), Array(4, dtype=int32))
     """
     _checks.transformation("inner", inner)
-    _checks.positive("z_threshold", z_threshold, inf_ok=True)
-    _checks.open_unit("alpha", alpha)
-    _checks.count("warmup_steps", warmup_steps, traced_ok=True)
-    _checks.count("max_consecutive_skips", max_consecutive_skips, traced_ok=True)
+    z_threshold = _checks.positive("z_threshold", z_threshold, inf_ok=True)
+    alpha = _checks.unit("alpha", alpha)
+    warmup_steps = _checks.integer("warmup_steps", warmup_steps, data_ok=True)
+    max_consecutive_skips = _checks.integer(
+        "max_consecutive_skips", max_consecutive_skips, data_ok=True
+    )
     if max_norm is not None:
-        _checks.threshold("max_norm", max_norm)
+        max_norm = _checks.threshold("max_norm", max_norm)
     names = _checks.axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
-        leaves = _checks.norm_leaves(params, "skip_spikes")
-        dtype = _engine.tree_accum_dtype(leaves.arrays)
+        dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
         zero, count = jnp.zeros((), dtype), jnp.zeros((), jnp.int32)
         return SkipSpikesState(
             inner_state=inner.init(params),
@@ -178,9 +163,8 @@ def skip_spikes(
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipSpikesState]:
         dtype = state.norm.dtype
-        leaves = _checks.norm_leaves(updates, "skip_spikes")
-        placements = _placement.leaf_placements(leaves, specs, names)
-        norm = _engine.global_norm(leaves.arrays, 2.0, placements).astype(dtype)
+        leaves = _leaves.leaves(updates, "skip_spikes", specs=specs, axis_name=names)
+        norm = _engine.global_norm(leaves, 2.0).astype(dtype)
         n = state.accepted_count
         broken = ~jnp.isfinite(norm)
         outlier = _outlier(
@@ -189,7 +173,9 @@ def skip_spikes(
         if max_norm is not None:  # a NaN `max_norm` skips every step
             broken |= ~(norm <= jnp.asarray(max_norm).astype(dtype))
         if loss is not None:
-            value = _checks.scalar_array("loss", loss).astype(dtype)
+            value = jnp.asarray(loss)
+            _checks.data("loss", value, "a scalar: the step's loss")
+            value = value.astype(dtype)
             broken |= ~jnp.isfinite(value)
             outlier |= _outlier(
                 value,

@@ -8,68 +8,80 @@ from typing import Any
 import jax
 
 from clipax import _checks
-
-PyTree = Any
-
-
-def _is_box(node: Any) -> bool:
-    """A Flax metadata box (`nn.LogicallyPartitioned`, `nn.Partitioned`)."""
-    return hasattr(node, "names") and hasattr(node, "unbox")
+from clipax._leaves import LayerAxes, path_keys
 
 
-def _gathered(node: PyTree, root: bool = True) -> PyTree:
-    """`node`, a tree of ints, with each subtree below the root whose leaves
-    all hold one int replaced by it: the int then sits where the stacked
-    module starts, and a layer index goes there (`blocks/0/...`)."""
-    if isinstance(node, int) or node is None:
-        return node
+def _names(node: Any) -> tuple[Any, ...] | None:
+    """A leaf's logical axis names: a Flax linen box's (`nn.LogicallyPartitioned`,
+    `nn.Partitioned`) or an NNX variable's (`sharding_names`); None for others."""
+    if hasattr(node, "names") and hasattr(node, "unbox"):
+        return tuple(node.names)
+    names = getattr(node, "sharding_names", None)
+    return tuple(names) if isinstance(names, (tuple, list)) else None
+
+
+def _entry(positions: list[int]) -> int | LayerAxes:
+    """Leading axes as their count, others as `LayerAxes`."""
+    return (
+        len(positions)
+        if positions == list(range(len(positions)))
+        else LayerAxes(*positions)
+    )
+
+
+def _fold(node: Any, keys: list[Any], root: bool = True) -> Any:
+    """`node`, a tree of leaf indices, with each leaf's entry (`keys[i][0]`)
+    for its index, and each subtree below the root whose leaves share their
+    entry and layers held once, by its root (`{"blocks": 1}`)."""
+    if isinstance(node, int):
+        return keys[node][0]
+    indices = jax.tree.leaves(node)
+    if not root and indices and len({keys[i] for i in indices}) == 1:
+        return keys[indices[0]][0]
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
-    children = [_gathered(child, root=False) for _, child in flat]
-    counts = [c for c in children if c is not None]
-    uniform = all(isinstance(c, int) for c in counts) and len(set(counts)) == 1
-    if not root and uniform:
-        return counts[0]
-    return jax.tree.unflatten(treedef, children)
+    return treedef.unflatten([_fold(child, keys, root=False) for _, child in flat])
 
 
 def stacked_prefix(
-    tree: PyTree,
+    tree: Any,
     *,
     axis_name: str | None = None,
     path: str | None = None,
-    axes: int = 1,
-) -> PyTree:
-    """The `stacked=` prefix for a model's parameters: how many leading axes of
-    each leaf index stacked layers.
+    axes: int | tuple[int, ...] = 1,
+) -> Any:
+    """The `stacked=` prefix for a model's parameters: which axes of each leaf
+    index stacked layers.
 
-    With `axis_name`, from Flax's logical axis names: `tree` is what a linen
-    model's `init` returns with `nn.with_logical_partitioning` boxes, and
-    `nn.scan(..., metadata_params={nn.PARTITION_NAME: axis_name})` puts
-    `axis_name` first among a scanned parameter's names; a leaf gets the
-    number of leading names equal to `axis_name` (2 for nested scans), and a
-    leaf without names (a bias not annotated) that of the annotated leaves
-    beside it, where they agree. With `path`, from a regular expression: a
-    leaf whose `/`-joined key path matches it (`re.search`) gets `axes`,
-    others 0. A subtree whose leaves share a count holds it once, at the root
-    of the stacked module, where `metrics` and `group_norms` put the layer
-    index (`blocks/0/...`); the prefix fits the unboxed parameters and their
-    updates (docs/stacked-layers.md).
+    With `axis_name`, from the logical axis names of each leaf: a Flax linen
+    box's (`nn.with_logical_partitioning`; `nn.scan(...,
+    metadata_params={nn.PARTITION_NAME: axis_name})` inserts `axis_name` at
+    the scanned axis, which MaxText puts at 1) or an NNX variable's
+    (`sharding_names`); a leaf without names (a bias not annotated) takes
+    those of the annotated leaves beside it, where they agree. With `path`,
+    from a regular expression: a leaf whose `/`-joined key path matches it
+    (`re.search`) gets `axes` (an int: that many leading axes; a tuple: those
+    positions), others none. A subtree whose leaves share their layer axes
+    and counts holds them once, at its root; the prefix fits the unboxed
+    parameters and their updates (docs/stacked-layers.md).
 
     Args:
       tree: the parameters (boxed, for `axis_name`), or the updates.
       axis_name: the logical name of the stacked axis, e.g. `"layers"`.
       path: a regular expression on the leaves' key paths, e.g.
         `"^params/blocks/"`.
-      axes: with `path`, how many leading axes a matching leaf stacks, >= 0.
+      axes: with `path`, an int >= 0 (the count of leading layer axes) or a
+        tuple of ints (their positions).
 
     Returns:
-      A pytree of ints, one per leaf, for `stacked=`.
+      A pytree prefix of ints and `clipax.LayerAxes`, for `stacked=`.
 
     Raises:
-      ValueError: if not exactly one of `axis_name` and `path` is given, or
-        `path` is not a regular expression, or `axes` is not an int >= 0.
+      ValueError: if not exactly one of `axis_name` and `path` is given, no
+        leaf has the axis name (naming those found) or matches the path
+        (naming a few paths), `path` is not a regular expression, or `axes`
+        is not accepted.
 
     Example:
       >>> import jax.numpy as jnp
@@ -77,6 +89,8 @@ def stacked_prefix(
       >>> params = {"embed": jnp.ones((8, 4)), "blocks": {"w": jnp.ones((3, 4, 4))}}
       >>> clipax.stacked_prefix(params, path="^blocks/")
       {'blocks': 1, 'embed': 0}
+      >>> clipax.stacked_prefix(params, path="^blocks/", axes=(1,))
+      {'blocks': LayerAxes(axes=(1,)), 'embed': 0}
     """
     if (axis_name is None) == (path is None):
         raise ValueError("Give `axis_name` or `path` to `stacked_prefix`, one of them.")
@@ -85,40 +99,68 @@ def stacked_prefix(
             raise ValueError(
                 f"`axis_name` must be a logical axis name; got {axis_name!r}."
             )
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)
-        counts: list[int | None] = []
-        for _, leaf in flat:
-            if not _is_box(leaf):
-                counts.append(None)
-                continue
-            names = tuple(leaf.names)
-            counts.append(
-                next((i for i, n in enumerate(names) if n != axis_name), len(names))
+        flat, treedef = jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: _names(x) is not None
+        )
+        names = [_names(x) for _, x in flat]
+        if not any(axis_name in n for n in names if n):
+            found = sorted({str(a) for n in names if n for a in n})
+            raise ValueError(
+                f"No leaf of the tree has the logical axis name {axis_name!r}; the "
+                f"names found are {found or 'none (the leaves carry no names: pass the boxed parameters, or give `path`)'}."
             )
-        beside: dict[tuple[str, ...], set[int]] = {}
-        for (key_path, _), count in zip(flat, counts, strict=True):
-            if count is not None:
-                beside.setdefault(tuple(_checks.path_keys(key_path)[:-1]), set()).add(
-                    count
-                )
-        out = []
-        for (key_path, _), count in zip(flat, counts, strict=True):
-            if count is None:
-                found = beside.get(tuple(_checks.path_keys(key_path)[:-1]), set())
-                count = found.pop() if len(found) == 1 else 0
-            out.append(count)
-        return _gathered(jax.tree.unflatten(treedef, out))
-    if not isinstance(path, str):
-        raise ValueError(f"`path` must be a regular expression; got {path!r}.")
-    try:
-        pattern = re.compile(path)
-    except re.error as error:
-        raise ValueError(
-            f"`path` must be a regular expression; got {path!r}."
-        ) from error
-    axes = _checks.count("axes", axes, minimum=0)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    counts = [
-        axes if pattern.search("/".join(_checks.path_keys(p))) else 0 for p, _ in flat
+        entries: list[Any] = [
+            None
+            if n is None
+            else _entry([i for i, a in enumerate(n) if a == axis_name])
+            for n in names
+        ]
+        beside: dict[tuple[str, ...], set[Any]] = {}
+        for (key_path, _), entry in zip(flat, entries, strict=True):
+            if entry is not None:
+                beside.setdefault(tuple(path_keys(key_path)[:-1]), set()).add(entry)
+        for i, (key_path, _) in enumerate(flat):
+            if entries[i] is None:
+                found_here = beside.get(tuple(path_keys(key_path)[:-1]), set())
+                entries[i] = found_here.pop() if len(found_here) == 1 else 0
+        shapes = [getattr(_unboxed(x), "shape", ()) for _, x in flat]
+    else:
+        if not isinstance(path, str):
+            raise ValueError(f"`path` must be a regular expression; got {path!r}.")
+        try:
+            pattern = re.compile(path)
+        except re.error as error:
+            raise ValueError(
+                f"`path` must be a regular expression; got {path!r}."
+            ) from error
+        if isinstance(axes, tuple):
+            entry: Any = LayerAxes(*_checks.axes(axes) or ())
+        else:
+            entry = _checks.integer("axes", axes, minimum=0)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        joined = ["/".join(path_keys(p)) for p, _ in flat]
+        entries = [entry if pattern.search(j) else 0 for j in joined]
+        if entries and all(e == 0 for e in entries) and entry != 0:
+            raise ValueError(
+                f"`path`={path!r} matches no leaf of the tree; its paths include "
+                f"{joined[:4]}."
+            )
+        shapes = [getattr(x, "shape", ()) for _, x in flat]
+    keys = [
+        (
+            e,
+            tuple(
+                s[a]
+                for a in (e.axes if isinstance(e, LayerAxes) else range(e))
+                if -len(s) <= a < len(s)
+            ),
+        )
+        for e, s in zip(entries, shapes, strict=True)
     ]
-    return _gathered(jax.tree.unflatten(treedef, counts))
+    return _fold(treedef.unflatten(range(len(flat))), keys)
+
+
+def _unboxed(node: Any) -> Any:
+    if hasattr(node, "unbox"):
+        return node.unbox()
+    return getattr(node, "value", node)

@@ -6,17 +6,18 @@ A state class declares itself where it is defined:
     class ClipByNormState(NamedTuple): ...
 
 - `name`: its factory's name, which `metrics` puts in its keys;
-- `scalars`: the fields `metrics` reports as they are (one scalar each);
-- `per_tensor`: the fields holding a tree with one value per update tensor,
-  reported tensor by tensor under the name given (`norms` -> `norm`);
+- `per_tensor`: the fields holding a tree like the updates with one array per
+  leaf, shaped as its layers, reported tensor by tensor under the name given
+  (`norms` -> `norm`);
 - `inner`: for a wrapper, the field holding the wrapped state, which `metrics`
   walks and `migrate_state` fills from the old state.
 
-Where `metrics` finds a declared `norm` and `threshold` (scalars, or both per
-tensor), it adds `clipped` and `clip_factor`. A restored state (orbax's
-untargeted restore, an `nnx.State`) keeps only its field names: a mapping
-whose keys are exactly a declared class's fields is that class's state. A
-NamedTuple that is not declared is not clipax's, whatever its module.
+Every other field holding a 0-d array is a scalar statistic. Where `metrics`
+finds a `norm` and a `threshold` (scalars, or both per tensor), it adds
+`clipped` and `clip_factor`. A restored state (orbax's untargeted restore, an
+`nnx.State`) keeps only its field names: a mapping whose keys are exactly a
+declared class's fields is that class's state. A NamedTuple that is not
+declared is not clipax's, whatever its module.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from clipax import _checks
+from clipax._leaves import path_keys
 
 _Class = TypeVar("_Class", bound=type)
 
@@ -38,7 +39,6 @@ class Declared:
 
     cls: type
     name: str
-    scalars: tuple[str, ...]
     per_tensor: Mapping[str, str]
     inner: str | None
 
@@ -56,11 +56,7 @@ DECLARED: dict[type, Declared] = {}
 
 
 def declare(
-    name: str,
-    *,
-    scalars: tuple[str, ...] = (),
-    per_tensor: Mapping[str, str] | None = None,
-    inner: str | None = None,
+    name: str, *, per_tensor: Mapping[str, str] | None = None, inner: str | None = None
 ) -> Callable[[_Class], _Class]:
     """A class decorator that declares a NamedTuple a clipax state class.
 
@@ -77,7 +73,7 @@ def declare(
             raise TypeError(
                 f"`declare` takes a NamedTuple class; got {cls.__qualname__}."
             )
-        for field in (*scalars, *per_tensor, *([] if inner is None else [inner])):
+        for field in (*per_tensor, *([] if inner is None else [inner])):
             if field not in fields:
                 raise ValueError(
                     f"{cls.__qualname__} has no field {field!r} to declare; its "
@@ -91,67 +87,10 @@ def declare(
                     f"{other.cls.__qualname__}, declared as {other.name!r}, has "
                     f"the same {same}."
                 )
-        DECLARED[cls] = Declared(cls, name, tuple(scalars), per_tensor, inner)
+        DECLARED[cls] = Declared(cls, name, per_tensor, inner)
         return cls
 
     return add
-
-
-@jax.tree_util.register_pytree_with_keys_class
-class StackedStats:
-    """Per-tensor statistics of updates with stacked layers (`stacked=`).
-
-    `tree` has the updates' structure; each of its leaves holds one entry per
-    layer of its tensor, shaped as the tensor's stacked axes. `depths` gives,
-    per leaf, after how many of its path keys `clipax.metrics` puts the layer
-    index, so that the keys read as the unrolled model's
-    (`layers/0/attn/kernel`). Indexing and attributes read `tree`.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> import clipax
-      >>> grads = {"blocks": {"w": jnp.ones((3, 2))}, "head": jnp.ones(2)}
-      >>> tx = clipax.clip_by_norm(1.0, stacked={"blocks": 1, "head": 0})
-      >>> _, state = tx.update(grads, tx.init(grads))
-      >>> state.norms["blocks"]["w"]  # one norm per layer
-      Array([1.4142135, 1.4142135, 1.4142135], dtype=float32)
-      >>> list(clipax.metrics(state))[:2]
-      ['clip_by_norm/blocks/0/w/norm', 'clip_by_norm/blocks/1/w/norm']
-    """
-
-    def __init__(self, tree: Any, depths: tuple[int, ...]) -> None:
-        self.tree = tree
-        self.depths = tuple(depths)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self.tree[key]
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("tree", "depths"):  # not set yet (as when unpickling)
-            raise AttributeError(name)
-        return getattr(self.tree, name)
-
-    def __repr__(self) -> str:
-        return f"StackedStats({self.tree!r}, depths={self.depths})"
-
-    def tree_flatten_with_keys(self) -> tuple[Any, tuple[int, ...]]:
-        return ((jax.tree_util.GetAttrKey("tree"), self.tree),), self.depths
-
-    @classmethod
-    def tree_unflatten(cls, depths: tuple[int, ...], children: Any) -> StackedStats:
-        return cls(children[0], depths)
-
-
-def per_tensor(leaves: _checks.Leaves, values: list[Any]) -> Any:
-    """A per-tensor field's value: `values`, one per leaf, in the updates'
-    tree, in a `StackedStats` where `stacked=` was given."""
-    tree = leaves.rebuild(values)
-    return StackedStats(tree, leaves.depths) if leaves.stacked else tree
-
-
-def per_tensor_tree(stats: Any) -> Any:
-    """The tree inside a per-tensor field (a `StackedStats`, or the tree)."""
-    return stats.tree if isinstance(stats, StackedStats) else stats
 
 
 def declared(node: Any) -> Declared | None:
@@ -173,4 +112,4 @@ def children(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
 
 def key_name(key: Any) -> str:
     """A child's key as a string: a dict key, an attribute name, an index."""
-    return _checks.path_keys((key,))[0]
+    return path_keys((key,))[0]

@@ -64,8 +64,7 @@ def clip_by_value(
 
     def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
         del params
-        leaves = _checks.value_leaves(updates, "clip_by_value")
-        return tree_value.clip_leaves(leaves, min_value, max_value)
+        return tree_value.clip_leaves(updates, min_value, max_value)
 
     return optax.stateless(clip)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -12,7 +13,6 @@ import optax
 from jax.typing import ArrayLike
 
 from clipax import _adaptive, _checks, _states
-from clipax._placement import AxisName
 
 EPS = 1e-6  # added to the standard deviation in the z-score, as the authors do
 # The modes by clipax's names and by the authors' package's.
@@ -24,13 +24,13 @@ MODES = {
 }
 
 
-@_states.declare("zclip", scalars=("mean", "variance", "count", "norm", "threshold"))
+@_states.declare("zclip")
 class ZClipState(NamedTuple):
     """State of `zclip`: the norm statistics and what the last update saw."""
 
     mean: jax.Array  # float32 scalar (float64 for float64 updates): EMA of norms
     variance: jax.Array  # float32 scalar: EMA of the squared deviation
-    count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps with a finite norm (saturates)
+    count: jax.Array  # int32 scalar: steps with a finite norm (saturates)
     norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
     threshold: jax.Array  # float32 scalar: the last clip limit (inf in warmup)
     warmup_norms: jax.Array  # float32 [warmup_steps]: the warmup norms, in order
@@ -109,7 +109,7 @@ def zclip(
     skip_update_on_spike: bool = False,
     eps: ArrayLike = EPS,
     max_grad_norm: ArrayLike | None = None,
-    axis_name: AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips global-norm spikes detected by their z-score against running stats.
@@ -170,9 +170,9 @@ def zclip(
       Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
       <https://arxiv.org/abs/2504.02507>`_, 2025.
     """
-    _checks.open_unit("alpha", alpha)
-    _checks.positive("z_threshold", z_threshold)
-    warmup = _checks.count("warmup_steps", warmup_steps)
+    alpha = _checks.unit("alpha", alpha)
+    z_threshold = _checks.positive("z_threshold", z_threshold)
+    warmup = _checks.integer("warmup_steps", warmup_steps)
     rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
     _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
     if rule_mode == "std":
@@ -185,7 +185,7 @@ def zclip(
             'zclip package ignores clip_option in its "percentile" mode: leave '
             "it out).",
         )
-    _checks.positive("clip_factor", clip_factor)
+    clip_factor = _checks.positive("clip_factor", clip_factor)
     if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
         _checks.unused(
             clip_factor,
@@ -196,9 +196,9 @@ def zclip(
             f"clip_option={clip_option!r}.",
         )
     skip = _checks.flag("skip_update_on_spike", skip_update_on_spike)
-    _checks.positive("eps", eps)
+    eps = _checks.positive("eps", eps)
     if max_grad_norm is not None:
-        _checks.threshold("max_grad_norm", max_grad_norm)
+        max_grad_norm = _checks.threshold("max_grad_norm", max_grad_norm)
 
     def init(dtype: np.dtype) -> ZClipState:
         zero = jnp.zeros((), dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -9,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _nonfinite, _placement
+from clipax import _checks, _engine, _leaves, _nonfinite
+from clipax._leaves import Leaves
 
 NONFINITE_MODES = ("nan", "zero", "error")
 
@@ -34,7 +36,7 @@ def global_norm(
     squared: bool = False,
     *,
     nonfinite: str | bool | None = None,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> jax.Array:
     """Returns the norm of all leaves of `tree` taken together.
@@ -79,9 +81,9 @@ def global_norm(
     p = _checks.order(ord)
     squared = _checks.flag("squared", squared)
     mode = nonfinite_mode(nonfinite, (None, "error"))
-    leaves = _checks.norm_leaves(tree, "global_norm")
-    placements = _placement.leaf_placements(leaves, specs, _checks.axis_name(axis_name))
-    norm = _engine.global_norm(leaves.arrays, p, placements)
+    names = _checks.axis_name(axis_name)
+    leaves = _leaves.leaves(tree, "global_norm", specs=specs, axis_name=names)
+    norm = _engine.global_norm(leaves, p)
     if mode == "error":
         _nonfinite.raise_if_nonfinite(leaves, jnp.isfinite(norm), "global_norm")
     return jnp.square(norm) if squared else norm
@@ -100,7 +102,7 @@ def clip_by_global_norm(
     name: str | None = None,
     *,
     ord: float | str = 2,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
     nonfinite: str | bool = "nan",
 ) -> tuple[chex.ArrayTree, jax.Array]:
@@ -149,29 +151,30 @@ def clip_by_global_norm(
       (Array([0.6, 0. ], dtype=float32), Array([0.8], dtype=float32))
     """
     del name  # means nothing in JAX
-    _checks.threshold("max_norm", max_norm)
+    max_norm = _checks.threshold("max_norm", max_norm)
     if use_norm is not None:
-        _checks.nonnegative("use_norm", use_norm, "None or a scalar norm >= 0")
+        use_norm = _checks.nonnegative(
+            "use_norm", use_norm, "None or a scalar norm >= 0"
+        )
     mode = nonfinite_mode(nonfinite)
     p = _checks.order(ord)
-    leaves = _checks.norm_leaves(tree, "clip_by_global_norm")
-    placements = _placement.leaf_placements(leaves, specs, _checks.axis_name(axis_name))
-    clipped, norm, _ = clip_leaves(leaves, max_norm, p, placements, mode, use_norm)
+    names = _checks.axis_name(axis_name)
+    leaves = _leaves.leaves(tree, "clip_by_global_norm", specs=specs, axis_name=names)
+    clipped, norm, _ = clip_leaves(leaves, max_norm, p, mode, use_norm)
     return clipped, norm
 
 
 def clip_leaves(
-    leaves: _checks.Leaves,
+    leaves: Leaves,
     max_norm: ArrayLike,
     p: float,
-    placements: _placement.Placements | None,
     mode: str,
     use_norm: ArrayLike | None = None,
 ) -> tuple[chex.ArrayTree, jax.Array, jax.Array]:
     """`clip_by_global_norm` of checked `leaves`, also returning whether the
     norm was finite."""
     if use_norm is None:
-        norm = _engine.global_norm(leaves.arrays, p, placements)
+        norm = _engine.global_norm(leaves, p)
     else:
         dtype = _engine.tree_accum_dtype(leaves.arrays)
         norm = jnp.asarray(use_norm).astype(dtype)

@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from clipax import _checks, _engine, _placement
+from clipax import _checks, _engine, _leaves
 
 SEPARATOR = "/"
-
-
-def _check_prefix_match(
-    path: _checks.KeyPath,
-    segments: list[str],
-    wanted: list[tuple[str, ...]],
-    match: list[tuple[str, ...]],
-) -> None:
-    """ValueError where the leaf's entries and its `/`-joined path disagree on
-    the prefix it is under: a key holding `/`, which no grouping reads right."""
-    joined = SEPARATOR.join(segments)
-    by_text = [
-        q
-        for q in wanted
-        if joined == SEPARATOR.join(q) or joined.startswith(SEPARATOR.join(q) + "/")
-    ]
-    if by_text[:1] != match[:1]:
-        said = SEPARATOR.join(by_text[0]) if by_text else SEPARATOR.join(match[0])
-        raise ValueError(
-            f"The leaf at {_checks.path_str(path)} has a key holding {SEPARATOR!r}, "
-            f"so whether it is under the `prefixes` entry {said!r} is ambiguous: "
-            f"its path {joined!r} reads one way, its key entries {segments} "
-            f"another. Rename the key so that it holds no {SEPARATOR!r}."
-        )
 
 
 def group_norms(
@@ -47,7 +23,7 @@ def group_norms(
     key_prefix: str = "",
     ord: float = 2,
     stacked: Any = None,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> dict[str, jax.Array]:
     """The norm of each group of leaves of `tree`, e.g. per layer or module.
@@ -101,118 +77,87 @@ def group_norms(
     if depth is not None and prefixes is not None:
         raise ValueError("Give `depth` or `prefixes`, not both.")
     if depth is not None:
-        depth = _checks.count("depth", depth)
-    if prefixes is not None:
-        prefixes = _checks.key_paths("prefixes", prefixes, SEPARATOR)
-    p = _checks.order(ord)
-    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    leaves = _checks.norm_leaves(tree, "group_norms", stacked)
-    placements = _placement.leaf_placements(leaves, specs, names)
-    wanted = None
+        depth = _checks.integer("depth", depth)
+    wanted = []
     if prefixes is not None:
         wanted = sorted(
-            (tuple(q.strip(SEPARATOR).split(SEPARATOR)) for q in prefixes),
+            (
+                tuple(q.strip(SEPARATOR).split(SEPARATOR))
+                for q in _checks.key_paths("prefixes", prefixes, SEPARATOR)
+            ),
             key=len,
             reverse=True,
         )
-    # Members: (leaf, layer) pairs, the layer None for a leaf not stacked.
-    count = len(leaves.arrays)
-    layer_shapes = [leaves.layers(i) for i in range(count)]
-    if placements is not None:  # local blocks: count every device's layers
-        layer_shapes = [
-            tuple(
-                n * int(jax.lax.psum(1, placements[i][d])) if placements[i][d] else n
-                for d, n in enumerate(shape)
-            )
-            for i, shape in enumerate(layer_shapes)
-        ]
-    members = _checks.unrolled(
-        leaves.paths, layer_shapes, leaves.depths or (0,) * count
+    p = _checks.order(ord)
+    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
+    leaves = _leaves.leaves(
+        tree, "group_norms", stacked=stacked, specs=specs, axis_name=names
     )
-    groups: dict[str, list[int]] = {}
-    entries: dict[str, tuple[str, ...]] = {}  # each group's name -> its entries
-    for m, (i, _, segments) in enumerate(members):
-        path = leaves.paths[i]
-        if wanted is None:
-            group = tuple(segments[: depth or 1])
+    norms = _engine.norms(leaves, [leaf.inner for leaf in leaves], p, exact=True)
+    vectors, layers = [], []
+    for leaf, n in zip(leaves, norms, strict=True):
+        n = n.reshape(leaf.layers)
+        for dim, axis in enumerate(leaf.layer_axes):  # layers on other devices
+            if split := leaf.split((axis,)):
+                n = _engine.gathered(n, dim, split)
+        vectors.append(_engine.replicated(n).reshape(-1))
+        layers.append(n.shape)
+    members = _leaves.layer_keys([leaf.path for leaf in leaves], layers)
+    groups: dict[str, tuple[str, ...]] = {}  # each group's name -> its entries
+    ids, first = [], {}
+    for i, _, keys in members:
+        if prefixes is None:
+            group = tuple(keys[: depth or 1])
         else:
-            match = [q for q in wanted if tuple(segments[: len(q)]) == q]
-            _check_prefix_match(path, segments, wanted, match)
+            joined = SEPARATOR.join(keys)
+            by_text = [
+                q for q in wanted if f"{joined}/".startswith(SEPARATOR.join(q) + "/")
+            ]
+            match = [q for q in wanted if tuple(keys[: len(q)]) == q]
+            if by_text[:1] != match[:1]:
+                said = SEPARATOR.join((by_text or match)[0])
+                raise ValueError(
+                    f"The leaf at {_leaves.path_str(leaves[i].path)} has a key holding "
+                    f"{SEPARATOR!r}, so whether it is under the `prefixes` entry "
+                    f"{said!r} is ambiguous: its path {joined!r} reads one way, its "
+                    f"key entries {keys} another. Rename the key so that it holds no "
+                    f"{SEPARATOR!r}."
+                )
             if not match:
+                ids.append(-1)
                 continue
             group = match[0]
         name = SEPARATOR.join(group) or "root"
-        if entries.setdefault(name, group) != group:
-            first = leaves.paths[members[groups[name][0]][0]]
+        if groups.setdefault(name, group) != group:
             raise ValueError(
-                f"`group_norms` got the leaves at {_checks.path_str(first)} and "
-                f"{_checks.path_str(path)}, whose groups at `depth`={depth or 1} both "
-                f"write as {name!r}: a dict key holding {SEPARATOR!r} reads as two "
-                f"path entries, and one norm would hide the other. Rename the key "
-                f"so that it holds no {SEPARATOR!r}."
+                f"`group_norms` got the leaves at "
+                f"{_leaves.path_str(leaves[first[name]].path)} and "
+                f"{_leaves.path_str(leaves[i].path)}, whose groups at "
+                f"`depth`={depth or 1} both write as {name!r}: a dict key holding "
+                f"{SEPARATOR!r} reads as two path entries, and one norm would hide the "
+                f"other. Rename the key so that it holds no {SEPARATOR!r}."
             )
-        groups.setdefault(name, []).append(m)
-    for q in wanted or []:
-        if not any(tuple(segments[: len(q)]) == q for _, _, segments in members):
-            tops = sorted({segments[0] for _, _, segments in members if segments})
+        first.setdefault(name, i)
+        ids.append(list(groups).index(name))
+    for q in wanted:
+        if not any(tuple(keys[: len(q)]) == q for _, _, keys in members):
+            tops = sorted({keys[0] for _, _, keys in members if keys})
             raise ValueError(
-                f"`prefixes` entry {SEPARATOR.join(q)!r} matches no leaf of the "
-                f"tree, whose paths start with {tops}: a logger would never see "
-                "its norm."
+                f"`prefixes` entry {SEPARATOR.join(q)!r} matches no leaf of the tree, "
+                f"whose paths start with {tops}: a logger would never see its norm."
             )
-    layer_norms = _stacked_layer_norms(leaves, p, placements)
-    out = {}
+    # Each group's members' norms as a column (zeros below: they change no
+    # p-norm), then one exact norm of every column.
+    dtype = _engine.tree_accum_dtype(leaves.arrays)
+    offsets = np.cumsum([0, *(v.size for v in vectors)])
+    columns: list[list[int]] = [[] for _ in groups]
+    for (i, index, _), g in zip(members, ids, strict=True):
+        if g >= 0:
+            columns[g].append(offsets[i] + np.ravel_multi_index(index or (), layers[i]))
+    table = np.full((max(map(len, columns), default=0), len(groups)), offsets[-1])
+    for g, column in enumerate(columns):
+        table[: len(column), g] = column
+    values = jnp.concatenate([*(v.astype(dtype) for v in vectors), jnp.zeros(1, dtype)])
+    totals = _engine.norm_of_norms(values[table], p)
     head = f"{key_prefix}{SEPARATOR}" if key_prefix else ""
-    for name, group_members in groups.items():
-        whole = [members[m][0] for m in group_members if members[m][1] is None]
-        where = None if placements is None else [placements[i] for i in whole]
-        norm = _engine.global_norm([leaves.arrays[i] for i in whole], p, where)
-        layers = [
-            _engine.entry(layer_norms[leaf], index)
-            for leaf, index, _ in (members[m] for m in group_members)
-            if index is not None
-        ]
-        if layers:
-            norm = _engine.norm_of_norms(
-                jnp.stack([norm.astype(layers[0].dtype), *layers]), p
-            )
-        out[f"{head}{name}{SEPARATOR}norm"] = norm
-    return out
-
-
-def _gathered(values: jax.Array, dim: int, names: tuple[str, ...]) -> jax.Array:
-    """`values`, split along `dim` over the mesh axes `names`, whole on every
-    device: each device's block put in its place in zeros, then summed."""
-    local = values.shape[dim]
-    count = int(jax.lax.psum(1, names))  # the number of blocks, known when traced
-    whole = jnp.zeros((*values.shape[:dim], local * count, *values.shape[dim + 1 :]))
-    start = jax.lax.axis_index(names) * local
-    placed = jax.lax.dynamic_update_slice_in_dim(
-        whole.astype(values.dtype), values, start, dim
-    )
-    return jax.lax.psum(placed, names)
-
-
-def _stacked_layer_norms(
-    leaves: _checks.Leaves, p: float, placements: _placement.Placements | None
-) -> dict[int, jax.Array]:
-    """Each stacked leaf's per-layer p-norms, one reduction over its inner
-    axes, completed over the mesh axes that split them; where its layers are
-    split across devices, gathered, so that every device has every layer's."""
-    out = {}
-    for i, x in enumerate(leaves.arrays):
-        k = leaves.stacked_axes(i)
-        if not k:
-            continue
-        x = jnp.asarray(x)
-        sums = _engine.power_sum(x, p, leaves.inner(i)).reshape(x.shape[:k])
-        if placements is not None:
-            inner = _placement.split_axes(placements[i], leaves.inner(i))
-            if inner:
-                reduce = jax.lax.pmax if p == math.inf else jax.lax.psum
-                sums = reduce(sums, inner)
-            for dim in range(k):
-                if placements[i][dim]:
-                    sums = _gathered(sums, dim, placements[i][dim])
-        out[i] = _engine.safe_root(sums, p)
-    return out
+    return {f"{head}{name}{SEPARATOR}norm": totals[g] for g, name in enumerate(groups)}

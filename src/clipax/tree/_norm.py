@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -9,7 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _placement
+from clipax import _checks, _engine, _leaves
+from clipax._leaves import Leaves
 
 # Jitted, so that leaves of one shape and dtype share one trace.
 _clip_factor = jax.jit(_engine.clip_factor)
@@ -25,7 +27,7 @@ def clip_by_norm(
     name: str | None = None,
     *,
     stacked: Any = None,
-    axis_name: _placement.AxisName = None,
+    axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
 ) -> chex.ArrayTree:
     """Clips each leaf on its own to L2 norm `max_norm`, like `tf.clip_by_norm`.
@@ -73,53 +75,38 @@ def clip_by_norm(
              [ 3.2,  0. ,  2.4]], dtype=float32)
     """
     del name  # means nothing in JAX
-    _checks.threshold("max_norm", max_norm)
+    max_norm = _checks.threshold("max_norm", max_norm)
     axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
-    leaves = _checks.norm_leaves(tree, "clip_by_norm", stacked)
-    reduced = _checks.each_inner_axes(axes, leaves)
-    placements = _placement.leaf_placements(leaves, specs, names)
-    return clip_leaves(leaves, max_norm, reduced, placements)[0]
+    leaves = _leaves.leaves(
+        tree, "clip_by_norm", stacked=stacked, specs=specs, axis_name=names
+    )
+    return clip_leaves(leaves, max_norm, axes)[0]
 
 
 def clip_leaves(
-    leaves: _checks.Leaves,
-    max_norm: ArrayLike,
-    reduced: list[tuple[int, ...]],
-    placements: _placement.Placements | None,
+    leaves: Leaves, max_norm: ArrayLike, axes: tuple[int, ...] | None
 ) -> tuple[chex.ArrayTree, list[jax.Array]]:
-    """`clip_by_norm` of checked `leaves`, each normed over its `reduced` axes,
-    also returning each leaf's norms (with the reduced dims kept)."""
-    norms = _engine.tensor_norms(leaves.arrays, reduced, placements)
-    thresholds: dict[Any, _engine.Threshold] = {}  # once per accumulation dtype
-    clipped = []
-    for x, n in zip(leaves.arrays, norms, strict=True):
-        if n.dtype not in thresholds:
-            thresholds[n.dtype] = _engine.threshold(max_norm, n.dtype)
-        clipped.append(_engine.scaled(x, _clip_factor(n, thresholds[n.dtype])))
-    return leaves.rebuild(clipped), norms
-
-
-def peak_norms(
-    norms: list[jax.Array],
-    leaves: _checks.Leaves,
-    placements: _placement.Placements | None,
-) -> list[jax.Array]:
-    """Each tensor's largest slice norm (a whole tensor's norm is its own):
-    one per layer of a stacked leaf, the same on every device that holds it."""
-    peaks = []
-    for i, n in enumerate(norms):
-        layers = leaves.layers(i)
-        inner = tuple(range(len(layers), n.ndim))
-        peaks.append(jnp.max(n, axis=inner, initial=0.0) if inner else n)
-    if placements is None or not peaks:
-        return peaks
-    # One pmax over the axes that split the slices, per set of axes that
-    # split the layers (whose peaks are of other layers on other devices).
-    layer_axes = _placement.layer_axes(leaves, placements)
-    split: dict[_placement.MeshAxes, set[str]] = {}
-    for axes, dims in zip(layer_axes, placements, strict=True):
-        split.setdefault(axes, set()).update(_placement.split_axes(dims))
-    names = [
-        tuple(a for a in sorted(split[axes]) if a not in axes) for axes in layer_axes
-    ]
-    return _placement.psum_each(peaks, names, layer_axes, op=jax.lax.pmax)
+    """`clip_by_norm` of checked `leaves`, each normed over `axes` within one
+    layer, also returning each leaf's largest norm per layer (a whole
+    tensor's norm is its own), the same on every device that holds it."""
+    norms = _engine.norms(leaves, [leaf.within(axes) for leaf in leaves])
+    limits: dict[Any, _engine.Limit] = {}  # once per accumulation dtype
+    clipped, peaks = [], []
+    for leaf, n in zip(leaves, norms, strict=True):
+        if n.dtype not in limits:
+            limits[n.dtype] = _engine.limit(max_norm, n.dtype)
+        clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limits[n.dtype])))
+        slices = tuple(d for d in range(n.ndim) if d not in leaf.layer_axes)
+        peak = jnp.max(n, axis=slices, initial=0.0) if axes is not None else n
+        peaks.append(peak.reshape(leaf.layers))
+    if axes is not None and leaves.placed:
+        # Slices of one layer may sit on other devices: a pmax over the axes
+        # that split the slices, apart from those that split the layers.
+        # One collective per set of layer axes (pmax is idempotent).
+        layer_axes = [leaf.split(leaf.layer_axes) for leaf in leaves]
+        union: dict[_leaves.MeshAxes, set[str]] = {}
+        for leaf, split in zip(leaves, layer_axes, strict=True):
+            union.setdefault(split, set()).update(leaf.split())
+        slice_axes = [tuple(sorted(union[s].difference(s))) for s in layer_axes]
+        peaks = _engine.complete(peaks, slice_axes, layer_axes, op=jax.lax.pmax)
+    return leaves.rebuild(clipped), peaks

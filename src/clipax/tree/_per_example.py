@@ -10,28 +10,23 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine
+from clipax import _checks, _engine, _leaves
 
 CLIP_ACCEPTED = "a scalar >= 0; inf means no clipping, 0 zeroes every nonzero example"
 
 
-def _example_norms(leaves: list[jax.Array]) -> list[jax.Array]:
-    """Each leaf's per-example L2 norms, shape [batch] each, float32 or wider,
-    from the engine, in one pass over each leaf."""
-    axes = [tuple(range(1, x.ndim)) for x in leaves]
-    norms = _engine.tensor_norms([jnp.asarray(x) for x in leaves], axes)
-    return [n.reshape(x.shape[0]) for n, x in zip(norms, leaves, strict=True)]
-
-
-def _weighted_sum(scales: jax.Array, x: jax.Array) -> jax.Array:
-    """`sum_i scales[i] * x[i]`, in float32 or wider, cast back to x's dtype.
+def _weighted_sum(
+    scales: jax.Array, x: jax.Array, layer_axes: tuple[int, ...] = ()
+) -> jax.Array:
+    """`sum_i scales[i] * x[i]`, in float32 or wider, cast back to x's dtype;
+    `scales` is [batch] or, for a stacked leaf, [batch, layers...].
 
     Written as a product reduced over the batch axis, which XLA fuses into one
     pass over `x` (no scaled copy is made), and which, unlike a `tensordot`,
     also works when the batch axis is sharded with explicit mesh axes.
     """
-    weights = scales.reshape(scales.shape + (1,) * (x.ndim - scales.ndim))
-    return jnp.sum(x * weights, axis=0).astype(x.dtype)
+    shape = [n if d == 0 or d in layer_axes else 1 for d, n in enumerate(x.shape)]
+    return jnp.sum(x * scales.reshape(shape), axis=0).astype(x.dtype)
 
 
 def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
@@ -83,16 +78,18 @@ def per_example_global_norm_clip(
       Abadi et al., `Deep Learning with Differential Privacy
       <https://arxiv.org/abs/1607.00133>`_, 2016.
     """
-    _checks.nonnegative("l2_norm_clip", l2_norm_clip, CLIP_ACCEPTED)
-    leaves = _checks.batched_leaves(grads, "per_example_global_norm_clip").arrays
+    l2_norm_clip = _checks.nonnegative("l2_norm_clip", l2_norm_clip, CLIP_ACCEPTED)
+    leaves = _leaves.leaves(grads, "per_example_global_norm_clip", batched=True)
     if not leaves:
         return grads, jnp.zeros((), jnp.int32)
-    dtype = _engine.tree_accum_dtype(leaves)
-    per_leaf = jnp.stack([n.astype(dtype) for n in _example_norms(leaves)])
-    norms = _engine.norm_of_norms(per_leaf)
+    dtype = _engine.tree_accum_dtype(leaves.arrays)
+    per_leaf = _engine.norms(leaves, [tuple(range(1, leaf.x.ndim)) for leaf in leaves])
+    norms = _engine.norm_of_norms(
+        jnp.stack([n.reshape(-1).astype(dtype) for n in per_leaf])
+    )
     scales, num_clipped = _scales(norms, l2_norm_clip)
-    summed = jax.tree.map(lambda x: _weighted_sum(scales, x), grads)
-    return summed, num_clipped
+    summed = [_weighted_sum(scales, jnp.asarray(x)) for x in leaves.arrays]
+    return leaves.rebuild(summed), num_clipped
 
 
 def per_example_layer_norm_clip(
@@ -145,34 +142,27 @@ def per_example_layer_norm_clip(
       McMahan et al., `Learning Differentially Private Recurrent Language
       Models <https://arxiv.org/abs/1710.06963>`_, 2017.
     """
-    _checks.nonnegative("global_l2_norm_clip", global_l2_norm_clip, CLIP_ACCEPTED)
+    clip = _checks.nonnegative(
+        "global_l2_norm_clip", global_l2_norm_clip, CLIP_ACCEPTED
+    )
     uniform = _checks.flag("uniform", uniform)
-    leaves = _checks.batched_leaves(grads, "per_example_layer_norm_clip")
-    leaves = _checks.stacking(stacked, grads, leaves)
-    layers, inner = [], []  # per leaf: its stacked axes' shape, its inner axes
-    for i, (path, x) in enumerate(zip(leaves.paths, leaves.arrays, strict=True)):
-        k = leaves.stacked_axes(i)
-        if k > x.ndim - 1:
-            raise ValueError(
-                f"`stacked` gives {k} stacked axes to the leaf at "
-                f"{_checks.path_str(path)} with shape {tuple(x.shape)}, whose "
-                f"first axis is the batch: at most {x.ndim - 1}."
-            )
-        layers.append(tuple(x.shape[1 : 1 + k]))
-        inner.append(tuple(range(1 + k, x.ndim)))
-    count = sum(math.prod(shape) for shape in layers)  # layers in all
+    leaves = _leaves.leaves(
+        grads, "per_example_layer_norm_clip", stacked=stacked, batched=True
+    )
+    inner = [leaf.inner[1:] for leaf in leaves]  # not the batch axis
+    count = sum(math.prod(leaf.layers) for leaf in leaves)  # layers in all
     sizes = [
-        math.prod(x.shape[a] for a in axes)
-        for x, axes in zip(leaves.arrays, inner, strict=True)
+        math.prod(leaf.x.shape[d] for d in axes)
+        for leaf, axes in zip(leaves, inner, strict=True)
     ]
-    total_size = sum(n * s for n, s in zip(map(math.prod, layers), sizes, strict=True))
-    norms = _engine.tensor_norms(leaves.arrays, inner)
+    total_size = sum(
+        math.prod(leaf.layers) * size for leaf, size in zip(leaves, sizes, strict=True)
+    )
     summed, counts = [], []
-    for x, n, shape, size in zip(leaves.arrays, norms, layers, sizes, strict=True):
+    for leaf, n, size in zip(leaves, _engine.norms(leaves, inner), sizes, strict=True):
         share = 1.0 / count if uniform else (size / total_size if total_size else 0.0)
-        n = n.reshape((x.shape[0], *shape))
-        clip = jnp.asarray(global_l2_norm_clip, n.dtype) * share**0.5
-        scales, num_clipped = _scales(n, clip)
-        summed.append(_weighted_sum(scales, x))
+        n = n.reshape((leaf.x.shape[0], *leaf.layers))
+        scales, num_clipped = _scales(n, jnp.asarray(clip, n.dtype) * share**0.5)
+        summed.append(_weighted_sum(scales, jnp.asarray(leaf.x), leaf.layer_axes))
         counts.append(num_clipped)
     return leaves.rebuild(summed), leaves.rebuild(counts)

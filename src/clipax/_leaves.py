@@ -1,0 +1,494 @@
+"""The model of leaves: a tree's leaves as records, built once per call.
+
+`leaves(tree, ...)` reads a tree, with its `stacked=` and `specs`/`axis_name`,
+into one `Leaf` per array: its key path, the array, the positions of its layer
+axes (the axes that index stacked layers) and, inside `shard_map`/`pmap`, the
+mesh axes that split each of its dimensions. Every rule, tree function and
+`metrics` works from these records; a layer's axes, a leaf's placement and the
+unrolled model's keys (`layer_keys`) are computed here and nowhere else.
+None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+from numpy.lib.array_utils import normalize_axis_tuple
+
+from clipax._checks import short_repr
+
+KeyPath = tuple[Any, ...]
+MeshAxes = tuple[str, ...]
+
+NORM_DTYPES = "float16, bfloat16, float32, float64 or complex"
+ARRAY_LEAVES = (
+    "clipax takes trees of arrays (jax.Array, numpy.ndarray, NumPy scalars or "
+    "Python numbers); use None or optax.MaskedNode for empty leaves"
+)
+STACKED_ACCEPTED = (
+    "None, a pytree prefix of the updates holding per subtree an int k >= 0 "
+    "(its leaves' k leading axes index stacked layers) or a `clipax.LayerAxes` "
+    "(the positions of those axes), or a callable that returns one"
+)
+
+
+def path_str(path: KeyPath) -> str:
+    """A key path as `jax.tree_util.keystr` writes it; `<root>` for ()."""
+    return jax.tree_util.keystr(path) if path else "<root>"
+
+
+def path_keys(path: KeyPath) -> list[str]:
+    """A key path as strings: dict keys, attribute names, sequence indices."""
+    return [
+        str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
+        for k in path
+    ]
+
+
+def is_empty(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _array(x: Any) -> Any:
+    """A Python number as a 0-d JAX array (a leaf, as in optax); else `x`."""
+    return jnp.asarray(x) if type(x) in (bool, int, float, complex) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAxes:
+    """The positions of a leaf's stacked (layer) axes, for `stacked=`.
+
+    An int `k` in a `stacked=` prefix says that the `k` leading axes index
+    layers; `LayerAxes(1)` says that axis 1 does (MaxText's default layout,
+    `nn.scan(variable_axes={"params": 1})`), `LayerAxes(0, 2)` axes 0 and 2.
+    A bare tuple cannot say it: in a prefix, a tuple is a tree node.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> kernel = jnp.ones((4, 3, 8))  # (embed, layers, mlp)
+      >>> tx = clipax.clip_by_norm(1.0, stacked=clipax.LayerAxes(1))
+      >>> tx.init(kernel).norms.shape  # one norm per layer
+      (3,)
+    """
+
+    axes: tuple[int, ...]
+
+    def __init__(self, *axes: int) -> None:
+        if not axes or not all(
+            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes
+        ):
+            raise TypeError(f"`LayerAxes` takes one or more ints; got {axes!r}.")
+        object.__setattr__(self, "axes", tuple(int(a) for a in axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array of a tree: where it is, and how it is laid out."""
+
+    path: KeyPath
+    x: Any  # a JAX or NumPy array (a Python number as a 0-d JAX array)
+    layer_axes: tuple[int, ...] = ()  # the axes indexing stacked layers, sorted
+    dims: tuple[MeshAxes, ...] | None = None  # per dimension, the mesh axes
+    # that split it (inside shard_map/pmap, from `specs` or `axis_name`)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The shape of its layer axes (() for a leaf not stacked)."""
+        return tuple(self.x.shape[a] for a in self.layer_axes)
+
+    @property
+    def inner(self) -> tuple[int, ...]:
+        """Its axes within one layer, in order."""
+        return tuple(d for d in range(self.x.ndim) if d not in self.layer_axes)
+
+    def within(self, axes: tuple[int, ...] | None, name: str = "axes") -> tuple:
+        """`axes` counted within one layer's tensor (all of them for None), as
+        axes of the leaf.
+
+        Raises:
+          ValueError: naming the leaf and one layer's shape, if an axis is
+            out of range or two name the same axis.
+        """
+        inner = self.inner
+        if axes is None:
+            return inner
+        shape = tuple(self.x.shape[d] for d in inner)
+        where = f"for the leaf at {path_str(self.path)} with shape {shape}"
+        try:
+            resolved = normalize_axis_tuple(axes, len(inner))
+        except np.exceptions.AxisError:
+            raise ValueError(
+                f"`{name}`={axes} is out of range {where} (rank {len(inner)})."
+            ) from None
+        except ValueError:
+            raise ValueError(f"`{name}`={axes} names the same axis twice {where}.")
+        return tuple(inner[a] for a in resolved)
+
+    def broadcast(self, values: Any) -> Any:
+        """Per-layer `values` (shaped as `layers`) shaped to broadcast against
+        the leaf."""
+        shape = [n if d in self.layer_axes else 1 for d, n in enumerate(self.x.shape)]
+        return jnp.reshape(values, shape)
+
+    def split(self, axes: Sequence[int] | None = None) -> MeshAxes:
+        """The mesh axes that split any of `axes` (all of its axes for None)."""
+        if self.dims is None:
+            return ()
+        chosen = range(len(self.dims)) if axes is None else axes
+        return tuple(sorted({n for d in chosen for n in self.dims[d]}))
+
+
+class Leaves(list[Leaf]):
+    """A tree's leaves, in its flattening order, and the tree to rebuild."""
+
+    def __init__(self, items: Sequence[Leaf], treedef: Any) -> None:
+        super().__init__(items)
+        self.treedef = treedef
+
+    @property
+    def arrays(self) -> list[Any]:
+        return [leaf.x for leaf in self]
+
+    @property
+    def placed(self) -> bool:
+        """Whether `specs` or `axis_name` said how the leaves are split."""
+        return any(leaf.dims is not None for leaf in self)
+
+    def rebuild(self, values: Sequence[Any]) -> Any:
+        """The tree with `values` (one per leaf) for its leaves."""
+        return jax.tree.unflatten(self.treedef, list(values))
+
+
+def _dtype_error(fn_name: str, leaf: Leaf, kind: str) -> str | None:
+    """Why `leaf` cannot be read by a rule of `kind`, or None."""
+    x, where = leaf.x, f"the leaf at {path_str(leaf.path)}"
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        return (
+            f"The leaf at {path_str(leaf.path)} is a {type(x).__name__} "
+            f"({short_repr(x)}); {ARRAY_LEAVES}."
+        )
+    dtype = np.dtype(x.dtype)
+    real = jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    if kind == "value" and not real:
+        return (
+            f"`{fn_name}` clamps real integer or floating-point leaves; {where} has "
+            f"dtype {dtype}, which has no order to clamp in."
+        )
+    narrow = dtype.itemsize < 2 and jnp.issubdtype(dtype, jnp.floating)
+    if kind == "norm" and (narrow or not jnp.issubdtype(dtype, jnp.inexact)):
+        return (  # float8, float4: no implicit promotion in JAX
+            f"`{fn_name}` takes norms of {NORM_DTYPES} leaves; {where} has dtype "
+            + (
+                f"{dtype}, which JAX does not promote to float32 in arithmetic. Cast "
+                "it (`x.astype(jnp.bfloat16)`)"
+                if narrow
+                else f"{dtype}. Cast it to a float dtype"
+            )
+            + ", or leave it out of the clipped tree (None, optax.masked)."
+        )
+    return None
+
+
+def leaves(
+    tree: Any,
+    fn_name: str,
+    *,
+    kind: str = "norm",
+    stacked: Any = None,
+    specs: Any = None,
+    axis_name: MeshAxes = (),
+    batched: bool = False,
+) -> Leaves:
+    """`tree`'s leaves as records, each checked to be readable.
+
+    Args:
+      tree: the updates (or parameters).
+      fn_name: the public name, for messages.
+      kind: `"norm"` (float16 or wider, or complex), `"value"` (real integer
+        or floating) or `"any"`: the leaves a rule can read.
+      stacked: the `stacked=` prefix (or a function giving it), whose entries
+        give the layer axes.
+      specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
+      batched: the leaves hold per-example values on axis 0, of one size;
+        `stacked` then describes the axes after it.
+
+    Raises:
+      TypeError: naming the leaf, if it is not an array of `kind`.
+      ValueError: naming the leaf or path, if `stacked` or `specs` does not
+        fit the tree, or the batch sizes differ.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    items = [Leaf(path, _array(x)) for path, x in flat]
+    for leaf in items:
+        if kind != "any" and (error := _dtype_error(fn_name, leaf, kind)):
+            raise TypeError(error)
+    batch = next((leaf.x.shape[0] for leaf in items if leaf.x.ndim), None)
+    for leaf in items if batched else ():
+        if not leaf.x.ndim or leaf.x.shape[0] != batch:
+            raise ValueError(
+                f"`{fn_name}` takes per-example gradients: every leaf must have the "
+                f"same batch size on axis 0 ({batch}, from the first leaf); the leaf "
+                f"at {path_str(leaf.path)} has shape {tuple(leaf.x.shape)}."
+            )
+    if stacked is not None:
+        if callable(stacked) and jax.tree_util.treedef_is_leaf(
+            jax.tree.structure(stacked)
+        ):
+            stacked = stacked(tree)  # a function; a callable pytree is a prefix
+        items = _stack(stacked, tree, items, int(batched))
+    if specs is not None or axis_name:
+        items = _place(specs, axis_name, tree, items)
+    return Leaves(items, treedef)
+
+
+def entries(
+    name: str, prefix: Any, tree: Any, items: Sequence[Leaf], is_entry: Any, what: str
+) -> list[tuple[int, Any]]:
+    """For each leaf, the entry of `prefix` (a pytree prefix of `tree`) above
+    it: its index among the prefix's entries, and the entry.
+
+    Raises:
+      ValueError: naming the path, if `prefix` has no entry above a leaf, or
+        holds one where `tree` has no node.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_entry)[0]
+    table = {tuple(path): (i, entry) for i, (path, entry) in enumerate(flat)}
+    out = []
+    for leaf in items:
+        above = [leaf.path[:end] for end in range(len(leaf.path), -1, -1)]
+        found = next((table[p] for p in above if p in table), None)
+        if found is None:
+            raise ValueError(
+                f"`{name}` has no {what} for the leaf at {path_str(leaf.path)} (shape "
+                f"{tuple(leaf.x.shape)}); it must be a prefix of the updates' tree."
+            )
+        out.append(found)
+    nodes = {
+        path[:end]
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)[0]
+        for end in range(len(path) + 1)
+    }
+    for path in table.keys() - nodes:
+        raise ValueError(
+            f"`{name}` holds an entry at {path_str(path)}, where the updates have no "
+            "node: it must be a prefix of the updates' tree."
+        )
+    return out
+
+
+def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
+    """`items` with their layer axes from the `stacked` prefix (after the
+    first `skip` axes); the leaves under one entry must have the same layers."""
+    out, first = [], {}
+    for leaf, (index, entry) in zip(
+        items, entries("stacked", prefix, tree, items, None, "entry"), strict=True
+    ):
+        rank = leaf.x.ndim - skip
+        where = f"to the leaf at {path_str(leaf.path)} with shape {leaf.x.shape}"
+        if isinstance(entry, LayerAxes):
+            try:
+                axes = normalize_axis_tuple(entry.axes, rank)
+            except ValueError:  # numpy's AxisError is one
+                raise ValueError(
+                    f"`stacked` gives {entry} {where}: distinct axes within its rank, "
+                    f"{rank}" + (" after the batch axis." if skip else ".")
+                ) from None
+        elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
+            if not 0 <= entry <= rank:
+                raise ValueError(
+                    f"`stacked` gives {entry} stacked axes {where}"
+                    + (
+                        f", whose first axis is the batch: at most {rank}."
+                        if skip
+                        else f": an int from 0 to its rank, {rank} (the count of "
+                        "leading layer axes; `clipax.LayerAxes(i)` for axis i)."
+                    )
+                )
+            axes = tuple(range(int(entry)))
+        else:
+            raise TypeError(
+                f"`stacked` must be {STACKED_ACCEPTED}; for the leaf at "
+                f"{path_str(leaf.path)} it holds {short_repr(entry)}."
+            )
+        leaf = dataclasses.replace(
+            leaf, layer_axes=tuple(sorted(a + skip for a in axes))
+        )
+        other = first.setdefault(index, leaf)
+        if leaf.layers != other.layers:
+            raise ValueError(
+                f"`stacked` makes the leaves at {path_str(other.path)} and "
+                f"{path_str(leaf.path)} one stack, but they hold {other.layers} and "
+                f"{leaf.layers} layers: give each stack an entry of its own."
+            )
+        out.append(leaf)
+    return out
+
+
+def _is_spec(node: Any) -> bool:
+    return node is None or isinstance(node, PartitionSpec)
+
+
+def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> list[Leaf]:
+    """`items` with the mesh axes that split each dimension: from `specs` (a
+    prefix of PartitionSpecs), and `axis_name` on every dimension (a leaf
+    split along an unknown dimension, which only a whole-leaf reduction can
+    use)."""
+    spec_of: list[Any] = [None] * len(items)
+    if specs is not None:
+        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[
+            0
+        ]:
+            if not _is_spec(spec):
+                raise TypeError(
+                    "`specs` must be a tree of jax.sharding.PartitionSpec (a prefix of "
+                    f"the updates); at {path_str(path)} it holds {spec!r}."
+                )
+        found = entries("specs", specs, tree, items, _is_spec, "PartitionSpec")
+        spec_of = [spec for _, spec in found]
+    out = []
+    for leaf, spec in zip(items, spec_of, strict=True):
+        spec, where = tuple(spec or ()), path_str(leaf.path)
+        if len(spec) > leaf.x.ndim:
+            raise ValueError(
+                f"`specs` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
+                f"has rank {leaf.x.ndim}: a PartitionSpec may not be longer than the "
+                "rank."
+            )
+        if axis_name and not leaf.x.ndim:
+            raise ValueError(
+                f"`axis_name` splits every leaf, but the leaf at {where} is a scalar; "
+                "use `specs` to mark it replicated."
+            )
+        dims = [
+            ((e,) if isinstance(e, str) else tuple(e or ()))
+            if e is not PartitionSpec.UNCONSTRAINED
+            else ()
+            for e in spec + (None,) * (leaf.x.ndim - len(spec))
+        ]
+        dims = [tuple(dict.fromkeys(d + axis_name)) for d in dims]
+        out.append(dataclasses.replace(leaf, dims=tuple(dims)))
+    return out
+
+
+def check_state(fn_name: str, items: Leaves, state_tree: Any) -> list[Any]:
+    """The entries of a per-tensor state field (one array per leaf, shaped as
+    its layers), checked to be those of the tree `init` was given.
+
+    Raises:
+      ValueError: naming the first path that differs and what the state
+        expected there.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(state_tree)[0]
+    want = [path_str(path) for path, _ in flat]
+    got = [path_str(leaf.path) for leaf in items]
+    again = "update it with the tree `init` was given, or `init` it again"
+    if want != got:
+        i = next(
+            (i for i, pair in enumerate(zip(want, got)) if len(set(pair)) > 1), None
+        )
+        i = min(len(want), len(got)) if i is None else i
+        w, g = (want + [None])[i], (got + [None])[i]
+        if g is not None and g not in want and (w is None or w in got):
+            detail = f"the updates have a leaf at {g} that the state holds no entry for"
+        elif w is not None and w not in got and (g is None or g in want):
+            detail = f"the updates have no leaf at {w}, which the state holds"
+        else:
+            detail = f"the updates have a leaf at {g} where the state expected the leaf at {w}"
+        raise ValueError(
+            f"`{fn_name}` was initialised for another tree: {detail}. Its state holds "
+            f"statistics for each leaf `init` was given: {again}."
+        )
+    for (path, entry), leaf in zip(flat, items, strict=True):
+        if np.shape(entry) != leaf.layers:
+            raise ValueError(
+                f"`{fn_name}` was initialised for another tree: the leaf at "
+                f"{path_str(path)} has shape {tuple(leaf.x.shape)}, and the state holds "
+                f"statistics of shape {np.shape(entry)} for it, where this shape needs "
+                f"{leaf.layers}: {again}."
+            )
+    return [entry for _, entry in flat]
+
+
+def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[Any]:
+    """The parameter beside each update leaf, checked as a norm leaf.
+
+    Raises:
+      ValueError: if `params` is None, or a parameter's shape is not its
+        update's.
+      TypeError: if a parameter is not a float array.
+    """
+    if params is None:
+        raise ValueError(
+            f"`{fn_name}` clips each update against the norm of its parameter, so "
+            "`update` needs `params`; got params=None. Call "
+            "`tx.update(updates, state, params)`."
+        )
+    treedef = jax.tree.structure(updates, is_leaf=is_empty)
+    beside = treedef.flatten_up_to(params)
+    kept = [
+        w
+        for g, w in zip(treedef.flatten_up_to(updates), beside, strict=True)
+        if not is_empty(g)
+    ]
+    kept = [_array(w) for w in kept]
+    for leaf, w in zip(items, kept, strict=True):
+        if np.shape(w) != np.shape(leaf.x) or not hasattr(w, "dtype"):
+            raise ValueError(
+                f"`{fn_name}` needs a parameter of the update's shape "
+                f"{np.shape(leaf.x)} at {path_str(leaf.path)}; got "
+                f"{getattr(w, 'shape', w)!r}."
+            )
+        if error := _dtype_error(fn_name, Leaf(leaf.path, w), "norm"):
+            raise TypeError(error)
+    return kept
+
+
+def layer_keys(
+    paths: Sequence[KeyPath], layers: Sequence[tuple[int, ...]]
+) -> list[tuple[int, tuple[int, ...] | None, list[str]]]:
+    """The tensors of a tree as the unrolled model has them: for each, its
+    leaf, its layer index (None for a leaf not stacked) and its key path with
+    the layer index where its stack starts, in the unrolled model's order
+    (layer by layer through each stack).
+
+    A stack starts at the highest node below the root whose leaves all have
+    the same layers: the keys depend on the layers alone, not on how a
+    `stacked=` prefix spelled them.
+    """
+    keys = [path_keys(path) for path in paths]
+    under: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
+    for k, shape in zip(keys, layers, strict=True):
+        for end in range(1, len(k) + 1):
+            under.setdefault(tuple(k[:end]), set()).add(tuple(shape))
+    out: list[tuple[int, tuple[int, ...] | None, list[str]]] = []
+    i = 0
+    while i < len(paths):
+        if not layers[i]:
+            out.append((i, None, keys[i]))
+            i += 1
+            continue
+        root = next(
+            (
+                keys[i][:end]
+                for end in range(1, len(keys[i]))
+                if under[tuple(keys[i][:end])] == {layers[i]}
+            ),
+            keys[i],
+        )
+        j = i + 1
+        while j < len(paths) and keys[j][: len(root)] == root and root != keys[i]:
+            j += 1
+        for index in np.ndindex(*layers[i]):
+            for m in range(i, j):
+                out.append((m, index, [*root, *map(str, index), *keys[m][len(root) :]]))
+        i = j
+    return out
