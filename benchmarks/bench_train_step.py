@@ -15,11 +15,20 @@ least of each side counts). On the scanned model the per-tensor rules take
     PYTHONPATH=src python benchmarks/bench_train_step.py             # both models
     PYTHONPATH=src python benchmarks/bench_train_step.py --quick     # smoke run
     PYTHONPATH=src python benchmarks/bench_train_step.py --models scanned --rule adagc
+    PYTHONPATH=src python benchmarks/bench_train_step.py --logging --layers 48
+
+`--logging` measures what logging costs instead: on the scanned model with
+`adagc(stacked=...)`, the step that also returns `clipax.metrics(opt_state) |
+clipax.tree.group_norms(grads, stacked=..., depth=3)` against the same step
+without them, and the time to read every value of `clipax.metrics` outside
+jit, on the state the step returned (median of 21 reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from collections.abc import Callable
 from statistics import geometric_mean as geo
 from typing import Any
@@ -138,10 +147,11 @@ MODELS = {"unrolled": False, "scanned": True}
 
 
 def train_step(
-    model: GPT, tx: optax.GradientTransformation
+    model: GPT, tx: optax.GradientTransformation, log: bool = False
 ) -> optax.GradientTransformation:
     """The training step as a transformation for `bench_clipping.build`: its
-    input is a batch of tokens, its state `(params, opt_state)`."""
+    input is a batch of tokens, its state `(params, opt_state)`; with `log`,
+    it also returns every clipax statistic and the per-layer gradient norms."""
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
         logits = model.apply(params, tokens[:, :-1])
@@ -158,6 +168,9 @@ def train_step(
         params, opt_state = state
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
+        if log:
+            norms = clipax.tree.group_norms(grads, depth=3, stacked=stacked)
+            loss = (loss, clipax.metrics(opt_state) | norms)
         return loss, (optax.apply_updates(params, updates), opt_state)
 
     return optax.GradientTransformation(init, update)
@@ -173,11 +186,17 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_keys_option(
         parser, "--models", MODELS, list(MODELS), "models", list(MODELS)
     )
+    parser.add_argument(
+        "--logging", action="store_true", help="the cost of logging, not the rules"
+    )
     args = parser.parse_args(argv)
     width, layers, heads = (32, 2, 2) if args.quick else (args.width, args.layers, 4)
     tokens = jnp.asarray(
         np.random.default_rng(0).integers(0, VOCAB, size=(4, 65)), jnp.int32
     )
+    if args.logging:
+        logging_cost(GPT(width, layers, heads, True), tokens, args)
+        return
     print(
         f"whole training step (forward, backward, rule, adamw), GPT width {width}, "
         f"{layers} layers: {bench.header()}"
@@ -225,6 +244,37 @@ def main(argv: list[str] | None = None) -> None:
                 f"{geo(compiles):.3f} |",
                 flush=True,
             )
+
+
+def logging_cost(model: GPT, tokens: jax.Array, args: argparse.Namespace) -> None:
+    """The scanned model's step with `adagc(stacked=...)`, returning its logs
+    or not; and `clipax.metrics` read outside jit."""
+    tx = optax.chain(clipax.adagc(stacked=stacked), optax.adamw(1e-4))
+    logged, plain = bench.build_pair(
+        lambda: train_step(model, tx, log=True),
+        lambda: train_step(model, tx),
+        tokens,
+        1 if args.quick else args.compiles,
+    )
+    run_l, run_p = bench.interleaved([logged.call, plain.call], 3 if args.quick else 21)
+    (_, logs), (_, opt_state) = logged.call()
+    reads = []
+    for _ in range(3 if args.quick else 21):
+        start = time.perf_counter()
+        values = {key: float(value) for key, value in clipax.metrics(opt_state).items()}
+        reads.append(time.perf_counter() - start)
+    print(
+        f"logging every statistic, GPT width {model.width}, {model.layers} layers "
+        f"scanned, adagc(stacked=...): {bench.header()}\n\n"
+        "| keys returned | step run ms | with logs run ms | run ratio | step compile s "
+        "| with logs compile s | compile ratio | metrics read outside jit ms |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+        f"| {len(logs)} ({len(values)} from metrics) | {run_p * 1e3:.1f} | "
+        f"{run_l * 1e3:.1f} | {run_l / run_p:.3f} | {plain.compile_s:.3f} | "
+        f"{logged.compile_s:.3f} | {logged.compile_s / plain.compile_s:.3f} | "
+        f"{statistics.median(reads) * 1e3:.1f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -294,8 +294,7 @@ class Trainer:
             norms = clipax.tree.group_norms(
                 grads, depth=3, stacked=prefix, key_prefix="grads"
             )
-            norms["grads/norm"] = clipax.tree.global_norm(grads)
-            return loss, grads, norms
+            return loss, grads, norms, clipax.tree.global_norm(grads)
 
         def update_step(
             rule: str, grads: Any, opt_state: Any, params: Any, lr: Any, loss: Any
@@ -373,12 +372,12 @@ def train(
     clipped = skipped = 0
     lr_array = jnp.asarray(lr, jnp.float32)
     for t in range(steps):
-        loss, grads, norms = trainer.grad_step(params, data[t])
+        loss, grads, norms, total = trainer.grad_step(params, data[t])
         params, opt_state, metrics = trainer.update_step(
             rule, grads, opt_state, params, lr_array, loss
         )
         loss, norms, metrics = jax.device_get((loss, norms, metrics))
-        norms = {k: float(v) for k, v in norms.items()}
+        norms = {k: float(v) for k, v in norms.items()} | {"grads/norm": float(total)}
         metrics = {k: float(v) for k, v in metrics.items()}
         row = {"rule": rule, "lr": lr, "seed": seed, "step": t, "loss": float(loss)}
         logged = {k: float(f"{v:.6g}") for k, v in {**norms, **metrics}.items()}

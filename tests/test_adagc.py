@@ -282,11 +282,11 @@ def test_metrics_report_every_leaf_statistic():
     inner = states[-1][0]
     for leaf in ("a", "b"):
         for stat, tree_of in (("ema", inner.ema), ("norm", inner.norms)):
-            np.testing.assert_allclose(logged[f"0/adagc/{leaf}/{stat}"], tree_of[leaf])
+            np.testing.assert_allclose(logged[f"adagc/{leaf}/{stat}"], tree_of[leaf])
         np.testing.assert_allclose(
-            logged[f"0/adagc/{leaf}/threshold"], inner.thresholds[leaf]
+            logged[f"adagc/{leaf}/threshold"], inner.thresholds[leaf]
         )
-        assert float(logged[f"0/adagc/{leaf}/clipped"]) == 1.0  # 3x: clipped
+        assert float(logged[f"adagc/{leaf}/clipped"]) == 1.0  # 3x: clipped
     assert not any("/n/" in key for key in logged)  # None leaves stay empty
-    np.testing.assert_allclose(logged["0/adagc/norm"], inner.norm)
-    assert int(logged["0/adagc/count"]) == 3
+    np.testing.assert_allclose(logged["adagc/norm"], inner.norm)
+    assert int(logged["adagc/count"]) == 3

@@ -19,6 +19,7 @@ from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
 from clipax._leaves import LayerAxes as LayerAxes
+from clipax._metrics import Metrics as Metrics
 from clipax._metrics import metrics as metrics
 from clipax._migrate import migrate_state as migrate_state
 from clipax._nonfinite import NonFiniteError as NonFiniteError
@@ -44,6 +45,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "ClipByNormState",
     "LayerAxes",
+    "Metrics",
     "NonFiniteError",
     "SkipSpikesState",
     "ZClipState",

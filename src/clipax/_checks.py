@@ -386,32 +386,23 @@ def not_a_tree(fn_name: str, name: str, value: Any, tree_call: str) -> None:
 
 
 def peer_names(
-    fn_name: str,
-    aliases: Mapping[str, str] | None = None,
-    ignored: Sequence[str] = (),
-    tree_call: str | None = None,
+    aliases: Mapping[str, str] | None = None, tree_call: str | None = None
 ) -> Callable[[F], F]:
-    """Makes the public function `fn_name` take its peers' argument names.
-
-    Args:
-      fn_name: the public name, for messages (`"clipax.tree.clip_by_norm"`).
-      aliases: each peer's name for a parameter, mapped to the parameter's
-        name; given with the parameter (or another alias of it), it is a
-        `TypeError`.
-      ignored: peers' arguments that mean nothing in JAX (TensorFlow's `name`,
-        PyTorch's `foreach`) and are not parameters: accepted and dropped.
-      tree_call: for a transformation named as a function of `clipax.tree`,
-        how to call that function: a tree given as the first argument is
-        then a `TypeError` that shows it (`not_a_tree`).
-
-    Returns:
-      A decorator; the function keeps its signature (`inspect.signature`, and
-      so `optax.inject_hyperparams`, sees it).
+    """Makes a public function take its peers' argument names: `aliases` maps
+    each peer's name for a parameter to the parameter (both given: a
+    `TypeError`), and TensorFlow's `name` and PyTorch's `foreach`, which mean
+    nothing in JAX, are accepted and dropped. For a transformation named as a
+    function of `clipax.tree`, `tree_call` says how to call that function,
+    which a tree given as the first argument is pointed to (`not_a_tree`).
+    The function keeps its signature (`optax.inject_hyperparams` reads it).
     """
     aliases = dict(aliases or {})
 
     def decorate(fn: F) -> F:
         names = list(inspect.signature(fn).parameters)
+        fn_name = ("clipax.tree." if ".tree." in fn.__module__ else "clipax.") + (
+            fn.__name__
+        )
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -429,8 +420,8 @@ def peer_names(
                         f"(`{own}`); pass one of them."
                     )
                 kwargs[own] = kwargs.pop(alias)
-            for name in ignored:
-                kwargs.pop(name, None)
+            for ignored in {"name", "foreach"}.difference(names):
+                kwargs.pop(ignored, None)
             return fn(*args, **kwargs)
 
         return cast(F, wrapper)

@@ -524,8 +524,9 @@ def norms(
     that split the reduced dimensions, so every norm is the whole tensor's.
 
     The plain norm is the bare formula. An `exact` one is right for every
-    finite input: where a plain sum is inf or may have underflowed (one
-    `lax.cond` for the call), each norm is taken again, scaled by its peak.
+    finite input: where any plain sum is inf or may have underflowed, every
+    sum is taken again with each slice scaled by `_second_scale` of its own
+    total (orders above 2: by its peak, always).
     """
     arrays = [jnp.asarray(leaf.x) for leaf in items]
     keep = [len(axes) < x.ndim for x, axes in zip(arrays, reduced, strict=True)]
@@ -542,27 +543,33 @@ def norms(
         op = jax.lax.pmax if q == math.inf else jax.lax.psum
         return complete(out, split, [leaf.split() for leaf in items], op)
 
-    def scaled_by_peaks() -> list[jax.Array]:
+    if p == math.inf:
+        return sums(p)
+    if not exact:
+        return [_root(t, p) for t in sums(p)]
+    if p > 2:  # rare orders: each slice's peak, then one sum scaled by it
         peaks = sums(math.inf)
         scales = [
             pow2_scale(jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m)))
             for m in peaks
         ]
+        totals = sums(p, scales)
         return [
             _from_peak(safe_root(t, p) / s, m)
-            for t, s, m in zip(sums(p, scales), scales, peaks, strict=True)
+            for t, s, m in zip(totals, scales, peaks, strict=True)
         ]
+    # The plain sums, then (one cond) all of them again where one needs it:
+    # the plain pass is the per-tensor rules' own, which XLA then shares.
+    plain = sums(p)
+    ones = [jnp.ones_like(t) for t in plain]
 
-    if p == math.inf:
-        return sums(p)
-    if exact and p > 2:
-        return scaled_by_peaks()
-    totals = sums(p)
-    plain = [_root(t, p) for t in totals]
-    if not exact or not plain:
-        return plain
-    needs = jnp.any(jnp.stack([jnp.any(_needs_rescale(t)) for t in totals]))
-    return list(_cond(needs, scaled_by_peaks, lambda: plain))
+    def rescaled() -> tuple[list[jax.Array], list[jax.Array]]:
+        second = [_second_scale(t, p) for t in plain]
+        return sums(p, second), second
+
+    needs = jnp.any(jnp.stack([jnp.any(_needs_rescale(t)) for t in plain]))
+    totals, scales = _cond(needs, rescaled, lambda: (plain, ones))
+    return [safe_root(t, p) / s for t, s in zip(totals, scales, strict=True)]
 
 
 def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
@@ -627,15 +634,3 @@ def replicated(x: jax.Array) -> jax.Array:
     if sharding is None or all(e is None for e in sharding.spec):
         return x
     return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))
-
-
-def entry(array: jax.Array, index: tuple[int, ...]) -> jax.Array:
-    """`array[index]`; where the array is split over explicit mesh axes, as a
-    masked sum, which needs no resharding (indexing would)."""
-    sharding = getattr(jax.typeof(array), "sharding", None)
-    if sharding is None or all(e is None for e in sharding.spec):
-        return array[index]
-    hit = jnp.ones(array.shape, bool)
-    for dim, i in enumerate(index):
-        hit &= jax.lax.broadcasted_iota(jnp.int32, array.shape, dim) == i
-    return jnp.sum(jnp.where(hit, array, jnp.zeros_like(array)))

@@ -29,10 +29,8 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 @_checks.peer_names(
-    "clipax.clip_by_global_norm",
     {"clip_norm": "max_norm", "norm_type": "ord", "error_if_nonfinite": "nonfinite"},
-    ["foreach", "name"],
-    tree_call="clipax.tree.clip_by_global_norm(tree, max_norm)",
+    "clipax.tree.clip_by_global_norm(tree, max_norm)",
 )
 def clip_by_global_norm(
     max_norm: ArrayLike,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +58,21 @@ def is_empty(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
+def is_variable(node: Any) -> bool:
+    """Whether `node` is a Flax NNX variable (only where the program has
+    imported NNX: no variable exists otherwise)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(node, nnx.Variable)
+
+
+def unwrap(node: Any) -> Any:
+    """An NNX variable's value (`get_value` from Flax 0.12, `.value` before);
+    any other node as it is."""
+    if not is_variable(node):
+        return node
+    return node.get_value() if hasattr(type(node), "get_value") else node.value
+
+
 def _array(x: Any) -> Any:
     """A Python number as a 0-d JAX array (a leaf, as in optax); else `x`."""
     return jnp.asarray(x) if type(x) in (bool, int, float, complex) else x
@@ -88,6 +104,9 @@ class LayerAxes:
         ):
             raise TypeError(f"`LayerAxes` takes one or more ints; got {axes!r}.")
         object.__setattr__(self, "axes", tuple(int(a) for a in axes))
+
+    def __repr__(self) -> str:
+        return f"LayerAxes({', '.join(map(str, self.axes))})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,23 +1,21 @@
-"""`clipax.metrics`: every clipax statistic in an optimizer state, as a flat dict."""
+"""`clipax.metrics`: every clipax statistic in an optimizer state, as a flat mapping."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from clipax import _engine, _states
 from clipax._checks import short_repr
-from clipax._leaves import layer_keys, path_str
+from clipax._leaves import is_variable, layer_keys, path_str, unwrap
 
 SEPARATOR = "/"
-TWICE = (
-    "`clipax.metrics` made the key {key!r} twice; rename the groups or chain "
-    "entries that give it."
-)
 # Optax's wrapper states: the name of their factory, and their documented
 # field holding the wrapped state(s).
 OPTAX_WRAPPERS: dict[type, tuple[str, str]] = {
@@ -35,121 +33,162 @@ OPTAX_WRAPPERS: dict[type, tuple[str, str]] = {
 }
 
 
-def _nnx() -> Any:
-    """Flax NNX, where the program has imported it (an NNX object exists only
-    then); None otherwise."""
-    return sys.modules.get("flax.nnx")
+@jax.tree_util.register_pytree_node_class
+class Metrics(Mapping[str, Any]):
+    """A flat mapping from `/`-separated keys to scalars, held as a few arrays.
+
+    What `clipax.metrics` and `clipax.tree.group_norms` return: one array per
+    statistic (a vector for per-tensor statistics, one entry per tensor or
+    layer), each key naming an entry. It is a pytree of those arrays, so a
+    jitted step returns a handful of arrays, not one per key. Under
+    `jax.jit` a value is the array's entry; outside, the first value read
+    fetches every array to the host at once (`jax.device_get`), and values
+    are NumPy scalars, ready for any logger. `a | b` merges two.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> grads = {"a": jnp.ones(4), "b": jnp.ones(9)}
+      >>> tx = clipax.clip_by_norm(1.0)
+      >>> _, state = tx.update(grads, tx.init(grads))
+      >>> logs = clipax.metrics(state) | clipax.tree.group_norms(grads, key_prefix="g")
+      >>> {key: float(value) for key, value in logs.items()}
+      {'clip_by_norm/a/norm': 2.0, 'clip_by_norm/b/norm': 3.0, 'g/a/norm': 2.0, 'g/b/norm': 3.0}
+    """
+
+    def __init__(self, arrays: list[Any], where: dict[str, tuple[int, int | None]]):
+        self._arrays = list(arrays)
+        self._where = where  # key -> (array, flat index into it or None)
+        self._host: list[Any] | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        j, index = self._where[key]
+        if not any(isinstance(a, jax.core.Tracer) for a in self._arrays):
+            if self._host is None:
+                self._host = jax.device_get(self._arrays)
+            return self._host[j][() if index is None else index]
+        array = self._arrays[j]
+        return array if index is None else array[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __repr__(self) -> str:
+        return f"Metrics({ {key: self[key] for key in self} })"
+
+    def __or__(self, other: Metrics) -> Metrics:
+        shift = len(self._arrays)
+        where = dict(self._where)
+        for key, (j, index) in other._where.items():
+            _put(where, key, (j + shift, index))
+        return Metrics(self._arrays + other._arrays, where)
+
+    def tree_flatten(self) -> tuple[list[Any], tuple[Any, ...]]:
+        return self._arrays, tuple(self._where.items())
+
+    @classmethod
+    def tree_unflatten(cls, where: tuple[Any, ...], arrays: Any) -> Metrics:
+        return cls(list(arrays), dict(where))
 
 
-def _unwrap(node: Any) -> Any:
-    """An NNX variable's value; any other node as it is."""
-    nnx = _nnx()
-    if not (nnx and isinstance(node, nnx.Variable)):
-        return node
-    # `get_value` from Flax 0.12; `.value` before.
-    return node.get_value() if hasattr(type(node), "get_value") else node.value
-
-
-def _is_variable(node: Any) -> bool:
-    nnx = _nnx()
-    return bool(nnx) and isinstance(node, nnx.Variable)
-
-
-def _put(out: dict[str, jax.Array], key: str, value: jax.Array) -> None:
+def _put(out: dict[str, Any], key: str, value: Any) -> None:
     if key in out:
-        raise ValueError(TWICE.format(key=key))
+        raise ValueError(
+            f"`clipax.metrics` made the key {key!r} twice; rename the groups or "
+            "chain entries that give it."
+        )
     out[key] = value
 
 
-def _join(prefix: str, segment: str) -> str:
-    return f"{prefix}{SEPARATOR}{segment}" if prefix else segment
-
-
-def _clip_facts(norm: jax.Array, threshold: jax.Array) -> dict[str, jax.Array]:
+def _clip_facts(norm: Any, threshold: Any) -> dict[str, Any]:
     """`clipped` and `clip_factor`, from a `norm` and a `threshold`."""
+    threshold = jnp.asarray(threshold).astype(norm.dtype)
     return {
-        "clipped": norm > threshold.astype(norm.dtype),
+        "clipped": norm > threshold,
         "clip_factor": _engine.clip_factor(norm, threshold),
     }
 
 
-def _per_tensor(state: Any, declared: _states.Declared) -> dict[str, jax.Array]:
-    """One entry per tensor of each per-tensor field, `<tensor path>/<stat>`
-    (the empty path `root`); for a stacked tensor, one per layer, its index
-    where its stack starts (`_leaves.layer_keys`).
+def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict]:
+    """One clipax state's statistics as arrays, and each key's place in them:
+    its 0-d fields, and per-tensor fields as one vector each (every tensor's
+    entries, layer by layer where stacked), with `clipped` and `clip_factor`
+    beside a `norm` and a `threshold`.
 
     Raises:
       ValueError: naming both leaves, if two paths join to one key (a dict key
         holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`).
     """
-    fields: dict[str, list[Any]] = {}
+    fields = {f: unwrap(getattr(state, f)) for f in declared.fields}
+    scalars = {
+        f: jnp.asarray(v)
+        for f, v in fields.items()
+        if f not in declared.per_tensor
+        and f != declared.inner
+        and np.shape(v) == ()
+        and hasattr(v, "dtype")
+    }
+    if "norm" in scalars and "threshold" in scalars:
+        scalars |= _clip_facts(scalars["norm"], scalars["threshold"])
+    arrays, where = (
+        list(scalars.values()),
+        {k: (j, None) for j, k in enumerate(scalars)},
+    )
+    tensors: dict[str, Any] = {}
     paths: list[Any] = []
     for field, stat in declared.per_tensor.items():
-        flat = jax.tree_util.tree_flatten_with_path(
-            getattr(state, field), is_leaf=_is_variable
-        )[0]
-        paths = [path for path, _ in flat]
-        fields[stat] = [jnp.asarray(_unwrap(x)) for _, x in flat]
-    if not fields:
-        return {}
-    if "norm" in fields and "threshold" in fields:  # whole vectors, then entries
-        facts = [
-            _clip_facts(*pair)
-            for pair in zip(fields["norm"], fields["threshold"], strict=True)
+        flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_variable)[
+            0
         ]
-        for name in ("clipped", "clip_factor"):
-            fields[name] = [fact[name] for fact in facts]
-    shapes = [x.shape for x in next(iter(fields.values()))]
-    unrolled = layer_keys(paths, shapes)
-    seen: dict[str, Any] = {}
-    for i, _, keys in unrolled:
-        where = SEPARATOR.join(keys) or "root"
-        if seen.setdefault(where, paths[i]) != paths[i]:
+        paths, values = [p for p, _ in flat], [jnp.asarray(unwrap(v)) for _, v in flat]
+        shapes = [v.shape for v in values]
+        tensors[stat] = jnp.concatenate(
+            [_engine.replicated(v).reshape(-1) for v in values] or [jnp.zeros(0)]
+        )
+    if "norm" in tensors and "threshold" in tensors:
+        tensors |= _clip_facts(tensors["norm"], tensors["threshold"])
+    if not tensors:
+        return arrays, where
+    offsets = np.cumsum([0, *(int(np.prod(s)) for s in shapes)])
+    entries, seen = [], {}
+    for i, index, keys in layer_keys(paths, shapes):
+        joined = SEPARATOR.join(keys) or "root"
+        if seen.setdefault(joined, paths[i]) != paths[i]:
             raise ValueError(
-                f"`clipax.metrics` got the leaves at {path_str(seen[where])} and "
-                f"{path_str(paths[i])}, whose paths both join to {where!r} with "
+                f"`clipax.metrics` got the leaves at {path_str(seen[joined])} and "
+                f"{path_str(paths[i])}, whose paths both join to {joined!r} with "
                 f"{SEPARATOR!r}; one key would hide the other. Rename a key so that "
                 f"no dict key holds {SEPARATOR!r}."
             )
-    out: dict[str, jax.Array] = {}
-    for stat, values in fields.items():
-        for i, index, keys in unrolled:
-            value = values[i] if index is None else _engine.entry(values[i], index)
-            _put(out, _join(SEPARATOR.join(keys) or "root", stat), value)
-    return out
+        flat_index = offsets[i] + (
+            np.ravel_multi_index(index, shapes[i]) if index else 0
+        )
+        entries.append((joined, int(flat_index)))
+    for stat, vector in tensors.items():
+        arrays.append(vector)
+        for joined, flat_index in entries:
+            _put(where, f"{joined}{SEPARATOR}{stat}", (len(arrays) - 1, flat_index))
+    return arrays, where
 
 
-def _statistics(state: Any, declared: _states.Declared) -> dict[str, jax.Array]:
-    """One clipax state's statistics, as its class declares them."""
-    stats: dict[str, jax.Array] = {}
-    for field in declared.fields:
-        value = _unwrap(getattr(state, field))
-        if field in declared.per_tensor or field == declared.inner:
-            continue
-        if getattr(value, "shape", None) == ():
-            stats[field] = jnp.asarray(value)
-    if "norm" in stats and "threshold" in stats:
-        stats.update(_clip_facts(stats["norm"], stats["threshold"]))
-    for key, value in _per_tensor(state, declared).items():
-        _put(stats, key, value)
-    return stats
-
-
-def _walk(node: Any, prefix: str, out: dict[str, jax.Array]) -> None:
-    if node is None or hasattr(node, "dtype") or _is_variable(node):
+def _walk(node: Any, path: list[str], found: list[tuple[list[str], Any]]) -> None:
+    """Every clipax state below `node`, with the path of names to it (chain
+    indices, `named_chain` names, wrappers' names)."""
+    if node is None or hasattr(node, "dtype") or is_variable(node):
         return
     declared = _states.DECLARED.get(type(node))
     if declared is not None:
-        where = _join(prefix, declared.name)
-        for name, value in _statistics(node, declared).items():
-            _put(out, _join(where, name), value)
+        found.append((path, node))
         if declared.inner is not None:
-            _walk(getattr(node, declared.inner), where, out)
+            _walk(getattr(node, declared.inner), [*path, declared.name], found)
         return
     label, inner = OPTAX_WRAPPERS.get(type(node), ("", ""))
     for key, child in _states.children(node)[0]:
         name = _states.key_name(key)
-        _walk(child, _join(prefix, label if name == inner else name), out)
+        _walk(child, [*path, label if name == inner else name], found)
 
 
 def _check_state(opt_state: Any) -> None:
@@ -165,8 +204,6 @@ def _check_state(opt_state: Any) -> None:
         "`clipax.metrics` takes an optimizer state (what `tx.init` and "
         "`tx.update` return, or an `nnx.Optimizer`)"
     )
-    if opt_state is None:
-        return
     if callable(getattr(opt_state, "init", None)) and callable(
         getattr(opt_state, "update", None)
     ):
@@ -183,31 +220,35 @@ def _check_state(opt_state: Any) -> None:
                 f"{what}; got {short_repr(opt_state)}, which holds a "
                 f"{type(leaf).__name__}."
             )
-    if not any(isinstance(leaf, tuple) for leaf in nodes):
+    if opt_state is not None and not any(isinstance(leaf, tuple) for leaf in nodes):
         raise TypeError(
             f"{what}; got a tree of arrays with no optimizer state in it "
             "(parameters or gradients?)."
         )
 
 
-def metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """Every statistic clipax keeps in an optimizer state, as a flat dict.
+def metrics(opt_state: Any) -> Metrics:
+    """Every statistic clipax keeps in an optimizer state, as a flat mapping.
 
     Walks `opt_state` (optax's chains and wrappers, `clipax.skip_spikes`, an
     `nnx.Optimizer`) and reports every clipax state in it: its scalar
     statistics, and one entry per tensor for per-tensor ones (`clip_by_norm`'s
-    `norms`; one per layer of a stacked tensor). Beside a `norm` and a
-    `threshold` it adds `clipped` and `clip_factor`. Every value is a scalar
-    `jax.Array` taken from the state: the call is jittable and never syncs
-    with the host. Keys are `/`-separated paths ending with the statistic's
-    name, the same every step (docs/skipping-and-logging.md gives the scheme).
+    `norms`; one per layer of a stacked tensor, keyed as the unrolled model).
+    Beside a `norm` and a `threshold` it adds `clipped` and `clip_factor`.
+    Keys are `/`-separated, the rule's name first (`adagc/blocks/0/w/ema`),
+    the same every step and wherever the rule sits in a chain; where a state
+    holds the same rule twice, each key starts with the path to its rule
+    (chain index, `named_chain` name, wrapper). The result is a
+    `clipax.Metrics`: a few arrays, so that returning it from a jitted step
+    costs a few outputs, and one transfer when read outside jit
+    (docs/skipping-and-logging.md).
 
     Args:
       opt_state: an optimizer state (any pytree), or an `nnx.Optimizer`.
 
     Returns:
-      A dict from key to scalar `jax.Array`, in the order the states sit in
-      `opt_state`; empty when it holds no clipax state.
+      A `clipax.Metrics`, in the order the states sit in `opt_state`; empty
+      when it holds no clipax state.
 
     Raises:
       TypeError: if `opt_state` is not an optimizer state (a transformation, a
@@ -224,13 +265,21 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
       >>> state = tx.init({"w": jnp.zeros(2)})
       >>> _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
       >>> logs = clipax.metrics(state)
-      >>> logs["0/zclip/norm"], logs["1/clip_by_global_norm/clip_factor"]
-      (Array(5., dtype=float32), Array(0.2, dtype=float32))
+      >>> float(logs["zclip/norm"]), float(logs["clip_by_global_norm/clip_factor"])
+      (5.0, 0.2)
     """
-    nnx = _nnx()
-    if nnx and isinstance(opt_state, nnx.Optimizer):
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(opt_state, nnx.Optimizer):
         opt_state = opt_state.opt_state
     _check_state(opt_state)
-    out: dict[str, jax.Array] = {}
-    _walk(opt_state, "", out)
+    found: list[tuple[list[str], Any]] = []
+    _walk(opt_state, [], found)
+    names = [_states.DECLARED[type(node)].name for _, node in found]
+    out = Metrics([], {})
+    for (path, node), name in zip(found, names, strict=True):
+        prefix = SEPARATOR.join([*path, name] if names.count(name) > 1 else [name])
+        arrays, where = _statistics(node, _states.DECLARED[type(node)])
+        out = out | Metrics(
+            arrays, {f"{prefix}{SEPARATOR}{k}": w for k, w in where.items()}
+        )
     return out

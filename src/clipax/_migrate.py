@@ -96,9 +96,11 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
     )
     if old_dtype is None:
         why = f"the new state holds {_describe(new)}, the old state {_describe(old)}"
-    elif np.shape(old) != np.shape(new):
+        raise _mismatch(where, why)
+    if np.shape(old) != np.shape(new):
         why = f"the old array has shape {np.shape(old)}, the new one {np.shape(new)}"
-    elif (
+        raise _mismatch(where, why)
+    if (
         (old_dtype != new_dtype)
         if extended
         else not any(
@@ -106,10 +108,7 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
         )
     ):
         why = f"the old array has dtype {old_dtype}, the new one {new_dtype}"
-    else:
-        why = None
-    if why is not None:
-        raise ValueError(MISMATCH.format(path=where, why=why))
+        raise _mismatch(where, why)
     if not isinstance(old, jax.Array):
         old = np.asarray(old)
     value = old if extended else old.astype(new_dtype)
@@ -120,80 +119,61 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
     return np.asarray(value)
 
 
+def _mismatch(path: str, why: str) -> ValueError:
+    return ValueError(MISMATCH.format(path=path, why=why))
+
+
+def _spare(node: Any) -> bool:
+    """A part one state may have and the other not: empty, or statistics."""
+    return _is_empty(node) or _is_statistics(node)
+
+
 def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
     where = path_str(path)
     if _is_empty(new):
-        if _is_empty(old) or _is_statistics(old):
+        if _spare(old):
             return new
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the old state holds {_describe(old)} where the new "
-                "state holds nothing",
-            )
-        )
+        why = f"the old state holds {_describe(old)} where the new state holds nothing"
+        raise _mismatch(where, why)
     if _is_leaf(new):
         return _leaf(old, new, where)
     if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(new)):
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the new state holds {_describe(new)}, which is "
-                "not an array (build it with `new_tx.init(params)`)",
-            )
-        )
+        why = f"the new state holds {_describe(new)}, which is not an array"
+        raise _mismatch(where, why + " (build it with `new_tx.init(params)`)")
     new_class, old_class = _states.declared(new), _states.declared(old)
-    if _is_statistics(new) and (
-        _is_empty(old) or (_is_statistics(old) and old_class is not new_class)
-    ):
-        return new  # clipax's statistics that the old chain did not keep
-    new_inner, old_inner = _inner(new), _inner(old)
-    if new_inner is not None and old_class is not new_class:
-        children, treedef = _states.children(new)
+    if _is_statistics(new) and (_is_empty(old) or _is_statistics(old)):
+        if old_class is not new_class:
+            return new  # clipax's statistics that the old chain did not keep
+    children, treedef = _states.children(new)
+    if _inner(new) is not None and old_class is not new_class:  # a wrapper added
         return treedef.unflatten(
             [
-                _migrate(old, child, (*path, key))
-                if _states.key_name(key) == new_inner
-                else child
-                for key, child in children
+                _migrate(old, c, (*path, k))
+                if _states.key_name(k) == _inner(new)
+                else c
+                for k, c in children
             ]
         )
-    if old_inner is not None and old_class is not new_class:
-        inner = old[old_inner] if isinstance(old, Mapping) else getattr(old, old_inner)
-        return _migrate(inner, new, path)
+    if (inner := _inner(old)) is not None and old_class is not new_class:
+        return _migrate(
+            old[inner] if isinstance(old, Mapping) else getattr(old, inner), new, path
+        )
     by_name = _old_children(old, new)
     if by_name is None:
-        raise ValueError(
-            MISMATCH.format(
-                path=where,
-                why=f"the new state holds {_describe(new)}, the old "
-                f"state {_describe(old)}",
-            )
-        )
-    children, treedef = _states.children(new)
+        why = f"the new state holds {_describe(new)}, the old state {_describe(old)}"
+        raise _mismatch(where, why)
     out = []
     for key, child in children:
-        name = _states.key_name(key)
-        if name in by_name:
+        if (name := _states.key_name(key)) in by_name:
             out.append(_migrate(by_name.pop(name), child, (*path, key)))
-        elif _is_empty(child) or _is_statistics(child):
+        elif _spare(child):
             out.append(child)  # a part the old state left out, or fresh statistics
         else:
-            raise ValueError(
-                MISMATCH.format(
-                    path=path_str((*path, key)),
-                    why="the old state has no part there",
-                )
-            )
+            raise _mismatch(path_str((*path, key)), "the old state has no part there")
     for name, child in by_name.items():
-        if not (_is_empty(child) or _is_statistics(child)):
-            raise ValueError(
-                MISMATCH.format(
-                    path=f"{where} (key {name!r} of the old state)",
-                    why=f"the old state holds {_describe(child)} there, which the new "
-                    "state has no place for",
-                )
-            )
+        if not _spare(child):
+            why = f"the old state holds {_describe(child)} there, which the new state has no place for"
+            raise _mismatch(f"{where} (key {name!r} of the old state)", why)
     return treedef.unflatten(out)
 
 

@@ -23,10 +23,7 @@ class ClipByNormState(NamedTuple):
 
 
 @_checks.peer_names(
-    "clipax.clip_by_norm",
-    {"clip_norm": "max_norm"},
-    ["name"],
-    tree_call="clipax.tree.clip_by_norm(tree, max_norm)",
+    {"clip_norm": "max_norm"}, "clipax.tree.clip_by_norm(tree, max_norm)"
 )
 def clip_by_norm(
     max_norm: ArrayLike,

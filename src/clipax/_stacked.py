@@ -6,17 +6,20 @@ import re
 from typing import Any
 
 import jax
+import numpy as np
 
 from clipax import _checks
-from clipax._leaves import LayerAxes, path_keys
+from clipax._leaves import LayerAxes, is_variable, path_keys, unwrap
 
 
 def _names(node: Any) -> tuple[Any, ...] | None:
     """A leaf's logical axis names: a Flax linen box's (`nn.LogicallyPartitioned`,
-    `nn.Partitioned`) or an NNX variable's (`sharding_names`); None for others."""
+    `nn.Partitioned`) or an NNX variable's (`out_sharding` metadata; `sharding`
+    before Flax 0.12); None where it has none."""
     if hasattr(node, "names") and hasattr(node, "unbox"):
         return tuple(node.names)
-    names = getattr(node, "sharding_names", None)
+    meta = node.get_metadata() if is_variable(node) else {}
+    names = meta.get("out_sharding", meta.get("sharding"))
     return tuple(names) if isinstance(names, (tuple, list)) else None
 
 
@@ -100,7 +103,7 @@ def stacked_prefix(
                 f"`axis_name` must be a logical axis name; got {axis_name!r}."
             )
         flat, treedef = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: _names(x) is not None
+            tree, is_leaf=lambda x: hasattr(x, "unbox") or is_variable(x)
         )
         names = [_names(x) for _, x in flat]
         if not any(axis_name in n for n in names if n):
@@ -123,7 +126,9 @@ def stacked_prefix(
             if entries[i] is None:
                 found_here = beside.get(tuple(path_keys(key_path)[:-1]), set())
                 entries[i] = found_here.pop() if len(found_here) == 1 else 0
-        shapes = [getattr(_unboxed(x), "shape", ()) for _, x in flat]
+        shapes = [
+            np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)) for _, x in flat
+        ]
     else:
         if not isinstance(path, str):
             raise ValueError(f"`path` must be a regular expression; got {path!r}.")
@@ -145,7 +150,7 @@ def stacked_prefix(
                 f"`path`={path!r} matches no leaf of the tree; its paths include "
                 f"{joined[:4]}."
             )
-        shapes = [getattr(x, "shape", ()) for _, x in flat]
+        shapes = [np.shape(x) for _, x in flat]
     keys = [
         (
             e,
@@ -158,9 +163,3 @@ def stacked_prefix(
         for e, s in zip(entries, shapes, strict=True)
     ]
     return _fold(treedef.unflatten(range(len(flat))), keys)
-
-
-def _unboxed(node: Any) -> Any:
-    if hasattr(node, "unbox"):
-        return node.unbox()
-    return getattr(node, "value", node)

@@ -20,10 +20,8 @@ MAX_DELTA_ACCEPTED = (
 
 
 @_checks.peer_names(
-    "clipax.clip_by_value",
     {"clip_value_min": "min_value", "clip_value_max": "max_value"},
-    ["name"],
-    tree_call="clipax.tree.clip_by_value(tree, min_value, max_value)",
+    "clipax.tree.clip_by_value(tree, min_value, max_value)",
 )
 def clip_by_value(
     min_value: ArrayLike, max_value: ArrayLike, name: str | None = None
@@ -70,10 +68,8 @@ def clip_by_value(
 
 
 @_checks.peer_names(
-    "clipax.clip",
     {"clip_value": "max_delta"},
-    ["foreach"],
-    tree_call="clipax.tree.clip_by_value(tree, -max_delta, max_delta)",
+    "clipax.tree.clip_by_value(tree, -max_delta, max_delta)",
 )
 def clip(
     max_delta: ArrayLike, foreach: bool | None = None

@@ -97,7 +97,7 @@ def zclip_rule(
     )
 
 
-@_checks.peer_names("clipax.zclip", {"z_thresh": "z_threshold"})
+@_checks.peer_names({"z_thresh": "z_threshold"})
 def zclip(
     *,
     alpha: ArrayLike = 0.97,

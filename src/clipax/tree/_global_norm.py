@@ -25,10 +25,8 @@ def nonfinite_mode(value: Any, modes: tuple[Any, ...] = NONFINITE_MODES) -> Any:
 
 
 @_checks.peer_names(
-    "clipax.tree.global_norm",
     {"t_list": "tree", "tensors": "tree", "norm_type": "ord"}
-    | {"error_if_nonfinite": "nonfinite"},
-    ["name", "foreach"],
+    | {"error_if_nonfinite": "nonfinite"}
 )
 def global_norm(
     tree: chex.ArrayTree,
@@ -90,10 +88,8 @@ def global_norm(
 
 
 @_checks.peer_names(
-    "clipax.tree.clip_by_global_norm",
     {"t_list": "tree", "parameters": "tree", "clip_norm": "max_norm"}
-    | {"total_norm": "use_norm"},
-    ["name", "foreach"],
+    | {"total_norm": "use_norm"}
 )
 def clip_by_global_norm(
     tree: chex.ArrayTree,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clipax import _checks, _engine, _leaves
+from clipax._metrics import Metrics
 
 SEPARATOR = "/"
 
@@ -25,7 +26,7 @@ def group_norms(
     stacked: Any = None,
     axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
-) -> dict[str, jax.Array]:
+) -> Metrics:
     """The norm of each group of leaves of `tree`, e.g. per layer or module.
 
     A leaf's path is its key path joined with `/` (`dense/kernel`; sequence
@@ -71,8 +72,8 @@ def group_norms(
       >>> norms = clipax.tree.group_norms(grads, depth=2, key_prefix="grads")
       >>> list(norms)
       ['grads/embed/table/norm', 'grads/layers/0/norm', 'grads/layers/1/norm']
-      >>> norms["grads/layers/1/norm"]
-      Array(2., dtype=float32)
+      >>> float(norms["grads/layers/1/norm"])
+      2.0
     """
     if depth is not None and prefixes is not None:
         raise ValueError("Give `depth` or `prefixes`, not both.")
@@ -160,4 +161,7 @@ def group_norms(
     values = jnp.concatenate([*(v.astype(dtype) for v in vectors), jnp.zeros(1, dtype)])
     totals = _engine.norm_of_norms(values[table], p)
     head = f"{key_prefix}{SEPARATOR}" if key_prefix else ""
-    return {f"{head}{name}{SEPARATOR}norm": totals[g] for g, name in enumerate(groups)}
+    return Metrics(
+        [totals],
+        {f"{head}{name}{SEPARATOR}norm": (0, g) for g, name in enumerate(groups)},
+    )

@@ -17,9 +17,7 @@ from clipax._leaves import Leaves
 _clip_factor = jax.jit(_engine.clip_factor)
 
 
-@_checks.peer_names(
-    "clipax.tree.clip_by_norm", {"t": "tree", "clip_norm": "max_norm"}, ["name"]
-)
+@_checks.peer_names({"t": "tree", "clip_norm": "max_norm"})
 def clip_by_norm(
     tree: chex.ArrayTree,
     max_norm: ArrayLike,

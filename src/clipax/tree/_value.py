@@ -75,9 +75,7 @@ def _bound(name: str, bound: ArrayLike, path: str, dtype: np.dtype) -> ArrayLike
 
 
 @_checks.peer_names(
-    "clipax.tree.clip_by_value",
-    {"t": "tree", "clip_value_min": "min_value", "clip_value_max": "max_value"},
-    ["name"],
+    {"t": "tree", "clip_value_min": "min_value", "clip_value_max": "max_value"}
 )
 def clip_by_value(
     tree: chex.ArrayTree,
