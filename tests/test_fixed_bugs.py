@@ -48,11 +48,6 @@ def test_a_python_int_threshold_past_int32_is_a_threshold(call: Callable) -> Non
     got = call(GRADS, BIG)
     want = call(GRADS, float(BIG))
     jax.tree.map(np.testing.assert_array_equal, got, want)
-    if not isinstance(got, dict) or "w" not in got:
-        return
-    np.testing.assert_array_equal(
-        got["w"], -GRADS["w"] if got["w"][0] < 0 else GRADS["w"]
-    )
 
 
 @pytest.mark.parametrize(
