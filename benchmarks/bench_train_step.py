@@ -124,22 +124,59 @@ def _per_tensor(factory: Callable[..., Any]) -> Callable[[bool], Any]:
     return lambda scanned: factory(stacked=stacked) if scanned else factory()
 
 
-# Each rule: (clipax's, given whether the model is scanned; the reference; its label).
-RULES: dict[str, tuple[Callable[[bool], Any], Callable[[bool], Any], str]] = {
+def _before_adamw(rule: Callable[[bool], Any]) -> Callable[[bool, Any], Any]:
+    """The optimizer `chain(rule, adamw)`."""
+    return lambda scanned, adamw: optax.chain(rule(scanned), adamw)
+
+
+# The large trainers' skip rule (OLMo-core, MaxText) and Levanter's update clip.
+TRAINERS_SKIP = {"window": 128, "ddof": 1, "warmup_steps": 63, "history": "all"}
+UPDATE_CLIP = {"mode": "std", "z_threshold": 3.0, "window": 128, "warmup_steps": 64}
+
+# Each rule: (clipax's optimizer, given whether the model is scanned and adamw;
+# the reference's; its label).
+RULES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
     "clip_by_global_norm": (
-        lambda scanned: clipax.clip_by_global_norm(MAX_NORM),
-        _optax_global,
+        _before_adamw(lambda scanned: clipax.clip_by_global_norm(MAX_NORM)),
+        _before_adamw(_optax_global),
         "optax.clip_by_global_norm",
     ),
     "clip_by_norm": (
-        _per_tensor(lambda **kw: clipax.clip_by_norm(MAX_NORM, **kw)),
-        bare_clip_by_norm,
+        _before_adamw(_per_tensor(lambda **kw: clipax.clip_by_norm(MAX_NORM, **kw))),
+        _before_adamw(bare_clip_by_norm),
         "the bare formula (per layer)",
     ),
-    "adagc": (_per_tensor(clipax.adagc), _optax_global, "optax.clip_by_global_norm"),
+    "adagc": (
+        _before_adamw(_per_tensor(clipax.adagc)),
+        _before_adamw(_optax_global),
+        "optax.clip_by_global_norm",
+    ),
     "zclip": (
-        lambda scanned: clipax.zclip(),
-        _optax_global,
+        _before_adamw(lambda scanned: clipax.zclip()),
+        _before_adamw(_optax_global),
+        "optax.clip_by_global_norm",
+    ),
+    "trainers_skip": (
+        lambda scanned, adamw: clipax.skip_spikes(
+            optax.chain(clipax.clip_by_global_norm(MAX_NORM), adamw),
+            max_consecutive_skips=None,
+            **TRAINERS_SKIP,
+        ),
+        _before_adamw(_optax_global),
+        "optax.clip_by_global_norm",
+    ),
+    "update_clip": (
+        lambda scanned, adamw: optax.chain(
+            adamw, clipax.zclip(history="raw", **UPDATE_CLIP)
+        ),
+        _before_adamw(_optax_global),
+        "optax.clip_by_global_norm",
+    ),
+    "stable_spam": (
+        lambda scanned, adamw: clipax.stable_spam(
+            adamw, stacked=stacked if scanned else None
+        ),
+        _before_adamw(_optax_global),
         "optax.clip_by_global_norm",
     ),
 }
@@ -219,10 +256,10 @@ def main(argv: list[str] | None = None) -> None:
             )
             mine, ref = bench.build_pair(
                 lambda m=model, f=ours, s=scanned: train_step(
-                    m, optax.chain(f(s), optax.adamw(1e-4))
+                    m, f(s, optax.adamw(1e-4))
                 ),
                 lambda m=model, f=theirs, s=scanned: train_step(
-                    m, optax.chain(f(s), optax.adamw(1e-4))
+                    m, f(s, optax.adamw(1e-4))
                 ),
                 tokens,
                 1 if args.quick else args.compiles,

@@ -20,7 +20,16 @@ the same initialisation and on the same batches for a given seed:
 - adagc: `chain(clipax.adagc(stacked=prefix), adamw)`, per tensor and per
   layer of the scanned blocks, `prefix` from `clipax.stacked_prefix`;
 - skip_spikes: `clipax.skip_spikes(chain(clipax.clip_by_global_norm(1.0),
-  adamw))`, given the loss too (`tx.update(grads, state, params, loss=loss)`).
+  adamw))`, given the loss too (`tx.update(grads, state, params, loss=loss)`);
+- trainers.skip: the same with the large trainers' rule (OLMo-core's and
+  MaxText's: `z_threshold=6.0, window=128, ddof=1, warmup_steps=63,
+  history="all", max_consecutive_skips=None`), given the loss too;
+- levanter.update_clip: `chain(adamw, clipax.zclip(mode="std",
+  z_threshold=3.0, window=128, warmup_steps=64, history="raw"))`, Levanter's
+  clip of the update by its own history, after the optimizer;
+- stable_spam: `clipax.stable_spam(adamw, stacked=prefix)`, Stable-SPAM's
+  AdaClip and AdaGN per tensor and layer before AdamW (its defaults; no
+  moment reset within 400 steps).
 
 The learning rates run from one where every run is smooth (3e-3) to one where
 every run diverges (0.3); in between (3e-2) the loss may jump in the first
@@ -53,7 +62,7 @@ learning rate.
 Run from the repository root:
 
     python examples/lm_spikes.py             # 3 rates x 1 seed x 150 steps: minutes
-    python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: ~33 min
+    python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: ~50 min
     python examples/lm_spikes.py --seeds 3 --lrs 0.01 0.03   # a part of the study
     python examples/lm_spikes.py --steps 8 --lrs 0.01        # smoke run
 """
@@ -106,6 +115,9 @@ RULES = (
     "adagc",
     "autoclip",
     "skip_spikes",
+    "trainers.skip",
+    "levanter.update_clip",
+    "stable_spam",
 )
 COLORS = {
     "none": "tab:gray",
@@ -115,6 +127,19 @@ COLORS = {
     "adagc": "tab:red",
     "autoclip": "tab:orange",
     "skip_spikes": "tab:brown",
+    "trainers.skip": "tab:pink",
+    "levanter.update_clip": "tab:olive",
+    "stable_spam": "tab:purple",
+}
+# The large trainers' skip rule (OLMo-core, MaxText; Levanter's has ddof=0 and
+# warmup_steps=64): every step's values in a window of 128, 6 sigma.
+TRAINERS_SKIP = {
+    "z_threshold": 6.0,
+    "window": 128,
+    "ddof": 1,
+    "warmup_steps": 63,
+    "history": "all",
+    "max_consecutive_skips": None,
 }
 
 
@@ -277,6 +302,16 @@ def optimizer(rule: str, lr: Any, prefix: Any) -> optax.GradientTransformation:
         return clipax.skip_spikes(
             optax.chain(clipax.clip_by_global_norm(MAX_NORM), adamw)
         )
+    if rule == "trainers.skip":
+        clipped = optax.chain(clipax.clip_by_global_norm(MAX_NORM), adamw)
+        return clipax.skip_spikes(clipped, **TRAINERS_SKIP)
+    if rule == "levanter.update_clip":
+        update_clip = clipax.zclip(
+            mode="std", z_threshold=3.0, window=128, warmup_steps=64, history="raw"
+        )
+        return optax.chain(adamw, update_clip)
+    if rule == "stable_spam":
+        return clipax.stable_spam(adamw, stacked=prefix)
     raise ValueError(f"unknown rule {rule!r}")
 
 
@@ -300,7 +335,7 @@ class Trainer:
             rule: str, grads: Any, opt_state: Any, params: Any, lr: Any, loss: Any
         ) -> Any:
             tx = optimizer(rule, lr, prefix)
-            if rule == "skip_spikes":  # it tests the loss too
+            if rule in ("skip_spikes", "trainers.skip"):  # they test the loss too
                 updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
             else:
                 updates, opt_state = tx.update(grads, opt_state, params)

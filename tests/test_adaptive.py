@@ -15,8 +15,7 @@ import pytest
 import clipax
 from clipax import _checks, _engine
 from clipax._adagc import adagc_step
-from clipax._autoclip import autoclip_rule
-from clipax._zclip import EPS, zclip_rule
+from clipax._adaptive import EPS, autoclip_rule, zclip_rule
 from tests.helpers import spike_norms, state_after_compiled_steps
 
 f32 = np.float32

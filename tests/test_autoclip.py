@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import clipax
-from clipax._autoclip import masked_percentile
+from clipax._adaptive import masked_percentile
 from tests.helpers import (
     assert_compiles_once,
     ref_global_norm,

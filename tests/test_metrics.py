@@ -63,7 +63,7 @@ def test_zclip_norm_told_apart_from_the_clip_s() -> None:
             f"{CLIP}/{k}"
             for k in ("norm", "nonfinite_count", "threshold", "clipped", "clip_factor")
         ),
-    }  # zclip's warmup_norms array is not a scalar: left out
+    }  # zclip's buffer array is not a scalar: left out
     np.testing.assert_allclose(logs["zclip/norm"], NORM, rtol=1e-6)
     np.testing.assert_allclose(logs["zclip/mean"], NORM, rtol=1e-6)
     assert logs["zclip/threshold"] == jnp.inf and not logs["zclip/clipped"]

@@ -76,6 +76,9 @@ RULES: dict[str, Callable[..., optax.GradientTransformation]] = {
     "adaptive_grad_clip": lambda **kw: clipax.adaptive_grad_clip(0.05, **kw),
     "clip_by_block_rms": lambda **kw: clipax.clip_by_block_rms(0.3, **kw),
     "adagc": lambda **kw: clipax.adagc(warmup_steps=3, max_norm=5.0, **kw),
+    "stable_spam": lambda **kw: clipax.stable_spam(
+        optax.adam(1e-2), reset_every=4, **kw
+    ),
 }
 
 

@@ -35,9 +35,19 @@ DECLARED = {
         {"ema": "ema", "norms": "norm", "thresholds": "threshold"},
         None,
     ),
+    clipax.StableSpamState: (
+        "stable_spam",
+        ("count",),
+        {"m_max": "m_max", "m_norm": "m_norm", "v_norm": "v_norm"},
+        "inner_state",
+    ),
     clipax.SkipSpikesState: (
         "skip_spikes",
-        tuple(f for f in clipax.SkipSpikesState._fields if f != "inner_state"),
+        tuple(
+            f
+            for f in clipax.SkipSpikesState._fields
+            if f not in ("inner_state", "norm_window", "loss_window")
+        ),
         {},
         "inner_state",
     ),
@@ -51,6 +61,7 @@ EXAMPLES = {
     clipax.ZClipState: clipax.zclip(),
     clipax.AdaGCState: clipax.adagc(),
     clipax.SkipSpikesState: clipax.skip_spikes(optax.sgd(1.0)),
+    clipax.StableSpamState: clipax.stable_spam(optax.sgd(1.0)),
 }
 
 

@@ -329,7 +329,7 @@ def test_warmup_passes_updates_unchanged_and_starts_the_statistics():
     for tree, out, state in zip(trees, outputs, states, strict=True):
         chex.assert_trees_all_equal(out, tree)
         assert float(state.threshold) == math.inf
-    np.testing.assert_allclose(states[-1].warmup_norms, norms, rtol=1e-6)
+    np.testing.assert_allclose(states[-1].buffer, norms, rtol=1e-6)
     np.testing.assert_allclose(states[-1].mean, 2.0, rtol=1e-6)
     np.testing.assert_allclose(states[-1].variance, 1.0, rtol=1e-6)  # population
 
@@ -374,7 +374,7 @@ def test_non_finite_norm_skips_the_statistics_and_gives_nan():
             tree["w"][1, 1] = bad
             out, after = update(tree, state)
             assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(out))
-            for name in ("mean", "variance", "count", "threshold", "warmup_norms"):
+            for name in ("mean", "variance", "count", "threshold", "buffer"):
                 chex.assert_trees_all_equal(getattr(after, name), getattr(state, name))
 
 
@@ -446,7 +446,7 @@ def test_dtypes_are_kept_and_statistics_are_float32():
     tree = {"h": jnp.full((4,), 300.0, jnp.bfloat16), "m": optax.MaskedNode()}
     tx = clipax.zclip(warmup_steps=1)
     state = tx.init(tree)
-    assert state.mean.dtype == jnp.float32 and state.warmup_norms.shape == (1,)
+    assert state.mean.dtype == jnp.float32 and state.buffer.shape == (1,)
     _, state = tx.update(tree, state)
     np.testing.assert_allclose(state.mean, 600.0, rtol=1e-6)  # no bf16 overflow
     out, state = tx.update(jax.tree.map(lambda x: 2 * x, tree), state)

@@ -12,9 +12,11 @@ from importlib.metadata import PackageNotFoundError, version
 from clipax import tree as tree
 from clipax._adagc import AdaGCState as AdaGCState
 from clipax._adagc import adagc as adagc
+from clipax._adaptive import AutoClipState as AutoClipState
+from clipax._adaptive import ZClipState as ZClipState
+from clipax._adaptive import autoclip as autoclip
+from clipax._adaptive import zclip as zclip
 from clipax._agc import adaptive_grad_clip as adaptive_grad_clip
-from clipax._autoclip import AutoClipState as AutoClipState
-from clipax._autoclip import autoclip as autoclip
 from clipax._block_rms import clip_by_block_rms as clip_by_block_rms
 from clipax._global_norm import ClipByGlobalNormState as ClipByGlobalNormState
 from clipax._global_norm import clip_by_global_norm as clip_by_global_norm
@@ -28,11 +30,11 @@ from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
+from clipax._stable_spam import StableSpamState as StableSpamState
+from clipax._stable_spam import stable_spam as stable_spam
 from clipax._stacked import stacked_prefix as stacked_prefix
 from clipax._value import clip as clip
 from clipax._value import clip_by_value as clip_by_value
-from clipax._zclip import ZClipState as ZClipState
-from clipax._zclip import zclip as zclip
 
 try:
     __version__ = version("clipax")
@@ -48,6 +50,7 @@ __all__ = [
     "Metrics",
     "NonFiniteError",
     "SkipSpikesState",
+    "StableSpamState",
     "ZClipState",
     "__version__",
     "adagc",
@@ -62,6 +65,7 @@ __all__ = [
     "migrate_state",
     "nonfinite_errors",
     "skip_spikes",
+    "stable_spam",
     "stacked_prefix",
     "tree",
     "zclip",

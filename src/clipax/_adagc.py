@@ -24,7 +24,7 @@ class AdaGCState(NamedTuple):
     ema: chex.ArrayTree  # the updates' tree, a float32 scalar per tensor
     # (float64 for float64 updates; a vector, one per layer, for a stacked
     # leaf): EMA of its clipped norms; inf until seen
-    count: jax.Array  # int32 scalar: steps whose norms were all finite
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps whose norms were all finite
     norm: jax.Array  # float32 scalar: pre-clip global norm of the last update
     norms: chex.ArrayTree  # likewise, each tensor's pre-clip norm
     thresholds: chex.ArrayTree  # likewise, the norm each tensor was clipped

@@ -303,9 +303,9 @@ def key_paths(name: str, value: Any, separator: str) -> list[str]:
 
 
 def choice(name: str, value: Any, options: Sequence[Any]) -> Any:
-    """One of `options`."""
-    if not isinstance(value, str) or value not in options:
-        names = [f'"{o}"' for o in options]
+    """One of `options` (strings or ints), of its type."""
+    if not any(type(value) is type(o) and value == o for o in options):
+        names = [f'"{o}"' if isinstance(o, str) else str(o) for o in options]
         spelled = ", ".join(names[:-1]) + f" or {names[-1]}"
         raise ValueError(f"`{name}` must be {spelled}; got {value!r}.")
     return value

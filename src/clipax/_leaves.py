@@ -149,7 +149,9 @@ class Leaf:
                 f"`{name}`={axes} is out of range {where} (rank {len(inner)})."
             ) from None
         except ValueError:
-            raise ValueError(f"`{name}`={axes} names the same axis twice {where}.")
+            raise ValueError(
+                f"`{name}`={axes} names the same axis twice {where}."
+            ) from None
         return tuple(inner[a] for a in resolved)
 
     def broadcast(self, values: Any) -> Any:
@@ -232,8 +234,8 @@ def leaves(
     Args:
       tree: the updates (or parameters).
       fn_name: the public name, for messages.
-      kind: `"norm"` (float16 or wider, or complex), `"value"` (real integer
-        or floating) or `"any"`: the leaves a rule can read.
+      kind: `"norm"` (float16 or wider, or complex) or `"value"` (real
+        integer or floating): the leaves a rule can read.
       stacked: the `stacked=` prefix (or a function giving it), whose entries
         give the layer axes.
       specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
@@ -248,7 +250,7 @@ def leaves(
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     items = [Leaf(path, _array(x)) for path, x in flat]
     for leaf in items:
-        if kind != "any" and (error := _dtype_error(fn_name, leaf, kind)):
+        if error := _dtype_error(fn_name, leaf, kind):
             raise TypeError(error)
     batch = next((leaf.x.shape[0] for leaf in items if leaf.x.ndim), None)
     for leaf in items if batched else ():
@@ -307,7 +309,8 @@ def entries(
 def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
     """`items` with their layer axes from the `stacked` prefix (after the
     first `skip` axes); the leaves under one entry must have the same layers."""
-    out, first = [], {}
+    out: list[Leaf] = []
+    first: dict[int, Leaf] = {}
     for leaf, (index, entry) in zip(
         items, entries("stacked", prefix, tree, items, None, "entry"), strict=True
     ):
@@ -322,7 +325,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
                     f"{rank}" + (" after the batch axis." if skip else ".")
                 ) from None
         elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
-            if not 0 <= entry <= rank:
+            if not 0 <= int(entry) <= rank:
                 raise ValueError(
                     f"`stacked` gives {entry} stacked axes {where}"
                     + (
@@ -411,17 +414,15 @@ def check_state(fn_name: str, items: Leaves, state_tree: Any) -> list[Any]:
     got = [path_str(leaf.path) for leaf in items]
     again = "update it with the tree `init` was given, or `init` it again"
     if want != got:
-        i = next(
-            (i for i, pair in enumerate(zip(want, got)) if len(set(pair)) > 1), None
-        )
-        i = min(len(want), len(got)) if i is None else i
-        w, g = (want + [None])[i], (got + [None])[i]
+        pairs = zip([*want, None], [*got, None], strict=False)
+        w, g = next((w, g) for w, g in pairs if w != g)
         if g is not None and g not in want and (w is None or w in got):
             detail = f"the updates have a leaf at {g} that the state holds no entry for"
         elif w is not None and w not in got and (g is None or g in want):
             detail = f"the updates have no leaf at {w}, which the state holds"
         else:
-            detail = f"the updates have a leaf at {g} where the state expected the leaf at {w}"
+            detail = f"the updates have a leaf at {g} where the state expected "
+            detail += f"the leaf at {w}"
         raise ValueError(
             f"`{fn_name}` was initialised for another tree: {detail}. Its state holds "
             f"statistics for each leaf `init` was given: {again}."
@@ -430,9 +431,9 @@ def check_state(fn_name: str, items: Leaves, state_tree: Any) -> list[Any]:
         if np.shape(entry) != leaf.layers:
             raise ValueError(
                 f"`{fn_name}` was initialised for another tree: the leaf at "
-                f"{path_str(path)} has shape {tuple(leaf.x.shape)}, and the state holds "
-                f"statistics of shape {np.shape(entry)} for it, where this shape needs "
-                f"{leaf.layers}: {again}."
+                f"{path_str(path)} has shape {tuple(leaf.x.shape)}, and the state "
+                f"holds statistics of shape {np.shape(entry)} for it, where this shape "
+                f"needs {leaf.layers}: {again}."
             )
     return [entry for _, entry in flat]
 
@@ -452,10 +453,10 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
             "`tx.update(updates, state, params)`."
         )
     treedef = jax.tree.structure(updates, is_leaf=is_empty)
-    beside = treedef.flatten_up_to(params)
+    beside = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
     kept = [
         w
-        for g, w in zip(treedef.flatten_up_to(updates), beside, strict=True)
+        for g, w in zip(jax.tree.leaves(updates, is_leaf=is_empty), beside, strict=True)
         if not is_empty(g)
     ]
     kept = [_array(w) for w in kept]

@@ -53,7 +53,8 @@ class Metrics(Mapping[str, Any]):
       >>> _, state = tx.update(grads, tx.init(grads))
       >>> logs = clipax.metrics(state) | clipax.tree.group_norms(grads, key_prefix="g")
       >>> {key: float(value) for key, value in logs.items()}
-      {'clip_by_norm/a/norm': 2.0, 'clip_by_norm/b/norm': 3.0, 'g/a/norm': 2.0, 'g/b/norm': 3.0}
+      {'clip_by_norm/a/norm': 2.0, 'clip_by_norm/b/norm': 3.0,
+       'g/a/norm': 2.0, 'g/b/norm': 3.0}
     """
 
     def __init__(self, arrays: list[Any], where: dict[str, tuple[int, int | None]]):
@@ -153,7 +154,8 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     if not tensors:
         return arrays, where
     offsets = np.cumsum([0, *(int(np.prod(s)) for s in shapes)])
-    entries, seen = [], {}
+    entries: list[tuple[str, int]] = []
+    seen: dict[str, Any] = {}
     for i, index, keys in layer_keys(paths, shapes):
         joined = SEPARATOR.join(keys) or "root"
         if seen.setdefault(joined, paths[i]) != paths[i]:

@@ -141,9 +141,8 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
         why = f"the new state holds {_describe(new)}, which is not an array"
         raise _mismatch(where, why + " (build it with `new_tx.init(params)`)")
     new_class, old_class = _states.declared(new), _states.declared(old)
-    if _is_statistics(new) and (_is_empty(old) or _is_statistics(old)):
-        if old_class is not new_class:
-            return new  # clipax's statistics that the old chain did not keep
+    if _is_statistics(new) and _spare(old) and old_class is not new_class:
+        return new  # clipax's statistics that the old chain did not keep
     children, treedef = _states.children(new)
     if _inner(new) is not None and old_class is not new_class:  # a wrapper added
         return treedef.unflatten(
@@ -172,7 +171,8 @@ def _migrate(old: Any, new: Any, path: tuple[Any, ...]) -> Any:
             raise _mismatch(path_str((*path, key)), "the old state has no part there")
     for name, child in by_name.items():
         if not _spare(child):
-            why = f"the old state holds {_describe(child)} there, which the new state has no place for"
+            why = f"the old state holds {_describe(child)} there, which the new "
+            why += "state has no place for"
             raise _mismatch(f"{where} (key {name!r} of the old state)", why)
     return treedef.unflatten(out)
 

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _leaves, _states
+from clipax import _adaptive, _checks, _engine, _leaves, _states
+
+STATS = ("count", "mean", "variance", "window")  # of the norms, and of the losses
 
 
 @_states.declare("skip_spikes", inner="inner_state")
 class SkipSpikesState(NamedTuple):
     """State of `skip_spikes`: the wrapped state and the spike statistics.
 
-    The statistics are those of accepted steps only. `dtype` below is float32,
-    or float64 when an update leaf is float64.
+    `dtype` below is float32, or float64 when an update leaf is float64. The
+    statistics (`norm_*`, `loss_*`) are those the next step is tested
+    against; a window is `[window]` long, or `[0]` without one.
     """
 
     inner_state: optax.OptState  # the wrapped transformation's state, as it was
@@ -31,38 +35,16 @@ class SkipSpikesState(NamedTuple):
     # the last one (0 after an accepted step)
     accepted_count: jax.Array  # int32 scalar: accepted steps (saturates)
     norm: jax.Array  # dtype scalar: the last step's global norm, pre-inner
-    norm_mean: jax.Array  # dtype scalar: running mean of accepted norms
-    norm_variance: jax.Array  # dtype scalar: running variance of accepted norms
+    norm_count: jax.Array  # int32 scalar: norms recorded in the statistics
+    norm_mean: jax.Array  # dtype scalar: their mean
+    norm_variance: jax.Array  # dtype scalar: their variance
+    norm_window: jax.Array  # dtype [window]: the last norms recorded, the
+    # i-th in slot `i % window`
     loss: jax.Array  # dtype scalar: the last `loss=` passed (NaN before any)
-    loss_count: jax.Array  # int32 scalar: accepted steps that passed a loss
-    loss_mean: jax.Array  # dtype scalar: running mean of accepted losses
-    loss_variance: jax.Array  # dtype scalar: running variance of accepted losses
-
-
-def _moments(
-    x: jax.Array, count: jax.Array, mean: jax.Array, variance: jax.Array, alpha: Any
-) -> tuple[jax.Array, jax.Array]:
-    """Mean and variance after one more value `x`, with weight
-    `w = max(1 - alpha, 1 / (count + 1))`: the exact mean and population
-    variance of the values so far while `count + 1 < 1 / (1 - alpha)`, an EMA
-    with factor `alpha` from then on (West's incremental form)."""
-    dtype = mean.dtype
-    w = jnp.maximum(1 - jnp.asarray(alpha, dtype), 1 / (count.astype(dtype) + 1))
-    delta = x - mean
-    return mean + w * delta, (1 - w) * (variance + w * jnp.square(delta))
-
-
-def _outlier(
-    x: jax.Array,
-    count: jax.Array,
-    mean: jax.Array,
-    variance: jax.Array,
-    z_threshold: Any,
-    warmup: Any,
-) -> jax.Array:
-    """`x - mean > z_threshold * std` once `warmup` values were accepted."""
-    zt = jnp.asarray(z_threshold, mean.dtype)
-    return (count >= warmup) & (x - mean > zt * jnp.sqrt(variance))
+    loss_count: jax.Array  # int32 scalar: losses recorded, likewise
+    loss_mean: jax.Array  # dtype scalar
+    loss_variance: jax.Array  # dtype scalar
+    loss_window: jax.Array  # dtype [window]
 
 
 def skip_spikes(
@@ -70,8 +52,11 @@ def skip_spikes(
     *,
     z_threshold: ArrayLike = 6.0,
     alpha: ArrayLike = 0.985,
+    window: int | None = None,
+    ddof: int = 0,
     warmup_steps: int = 64,
-    max_consecutive_skips: int = 10,
+    history: Literal["accepted", "all"] = "accepted",
+    max_consecutive_skips: int | None = 10,
     max_norm: ArrayLike | None = None,
     axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
@@ -82,21 +67,32 @@ def skip_spikes(
     adamw)`). A step is skipped when the global norm of the incoming updates,
     or the `loss=` passed to `update`, is NaN or inf, when the norm is above
     `max_norm`, or when either is a spike: more than `z_threshold` standard
-    deviations above the running mean of accepted steps, once `warmup_steps`
-    were accepted. A skipped step returns zero updates and `inner`'s state
-    bit for bit as it was; after `max_consecutive_skips` skips in a row the
-    next spike is let through (`forced`). Every decision is a select on the
-    device, the same on every device (docs/skipping-and-logging.md).
+    deviations above the mean of the values so far, once `warmup_steps` of
+    them were recorded. The statistics are an EMA (`alpha`) or, with
+    `window`, the mean and std (`ddof`) of the last `window` values; they
+    take accepted steps' values (`history="accepted"`) or every step's
+    (`"all"`, as OLMo-core, Levanter and MaxText do), never a NaN or inf. A
+    skipped step returns zero updates and `inner`'s state bit for bit as it
+    was; after `max_consecutive_skips` skips in a row the next spike is let
+    through (`forced`). Every decision is a select on the device, the same on
+    every device (docs/skipping-and-logging.md; docs/porting.md gives the
+    trainers' rules as calls).
 
     Args:
       inner: the transformation whose steps are skipped; extra arguments of
         `update` (`loss=` included) are forwarded to it.
       z_threshold: the z-score above which a norm (or loss) is a spike, > 0;
         `inf` turns the statistical tests off.
-      alpha: the EMA factor of the statistics, in (0, 1).
-      warmup_steps: accepted steps before the z-tests start, an int >= 1.
-      max_consecutive_skips: after this many skips in a row the next spike
-        is let through, an int >= 1.
+      alpha: the EMA factor of the statistics, in (0, 1) (without `window`).
+      window: None (EMA statistics), or how many of the latest values the
+        mean and std are taken over, an int >= 2; it sets the state's shape.
+      ddof: with `window`, the std's delta degrees of freedom, an int >= 0:
+        0 (the population's, Levanter's) or 1 (`torch.std`'s, OLMo-core's).
+      warmup_steps: values recorded before the z-tests start, an int >= 1.
+      history: `"accepted"` (default) or `"all"`: whose values the
+        statistics take.
+      max_consecutive_skips: None (no limit), or after this many skips in a
+        row the next spike is let through, an int >= 1.
       max_norm: None (default), or a norm above which a step is always
         skipped: a positive scalar or an array.
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
@@ -121,37 +117,55 @@ def skip_spikes(
       >>> for g in [1.0, 1.2, 0.9, 1.1, 50.0]:  # a spike at the last step
       ...     updates, state = tx.update({"w": jnp.array([g, 0.0])}, state)
       >>> updates["w"], state.skipped, state.inner_state[0].count
-      (Array([0., 0.], dtype=float32), Array(True, dtype=bool), Array(4, dtype=int32))
+      (Array([0., 0.], dtype=float32), Array(True, dtype=bool),
+       Array(4, dtype=int32))
     """
     _checks.transformation("inner", inner)
     z_threshold = _checks.positive("z_threshold", z_threshold, inf_ok=True)
     alpha = _checks.unit("alpha", alpha)
-    warmup_steps = _checks.integer("warmup_steps", warmup_steps, data_ok=True)
-    max_consecutive_skips = _checks.integer(
-        "max_consecutive_skips", max_consecutive_skips, data_ok=True
-    )
+    size = None if window is None else _checks.integer("window", window, minimum=2)
+    ddof = _checks.integer("ddof", ddof, minimum=0, data_ok=True)
+    warmup = _checks.integer("warmup_steps", warmup_steps, data_ok=True)
+    every = _checks.choice("history", history, ("accepted", "all")) == "all"
+    limit = max_consecutive_skips
+    if limit is not None:
+        limit = _checks.integer("max_consecutive_skips", limit, data_ok=True)
     if max_norm is not None:
         max_norm = _checks.threshold("max_norm", max_norm)
     names = _checks.axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
+    def spike(x: jax.Array, stats: tuple) -> jax.Array:
+        """`x - mean > z_threshold * std` once `warmup_steps` were recorded."""
+        count, mean, variance, _ = stats
+        zt = jnp.asarray(z_threshold, mean.dtype)
+        return (count >= warmup) & (x - mean > zt * jnp.sqrt(variance))
+
+    def recorded(x: jax.Array, stats: tuple, take: jax.Array) -> tuple:
+        """The statistics after `x`, where `take`: the window's, or an EMA with
+        weight `max(1 - alpha, 1 / (count + 1))` (West's incremental form: the
+        exact mean and population variance while few values are in)."""
+        count, mean, variance, buffer = stats
+        new_count = _engine.count_if(take, count)
+        if size is not None:
+            buffer = _adaptive.pushed(buffer, count, x, take)
+            mean, variance = _adaptive.window_moments(buffer, new_count, ddof)
+            return new_count, mean, variance, buffer
+        w = jnp.maximum(1 - jnp.asarray(alpha, mean.dtype), 1 / (count + 1))
+        delta = x - mean
+        moved = mean + w * delta, (1 - w) * (variance + w * jnp.square(delta))
+        kept = (
+            jnp.where(take, m, o) for m, o in zip(moved, (mean, variance), strict=True)
+        )
+        return new_count, *kept, buffer
+
     def init_fn(params: optax.Params) -> SkipSpikesState:
         dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
-        zero, count = jnp.zeros((), dtype), jnp.zeros((), jnp.int32)
+        zero, no, count = jnp.zeros((), dtype), jnp.zeros((), bool), jnp.int32(0)
+        stats, nan = (count, zero, zero, jnp.zeros((size or 0,), dtype)), zero * np.nan
+        init = inner.init(params)
         return SkipSpikesState(
-            inner_state=inner.init(params),
-            skipped=jnp.zeros((), bool),
-            forced=jnp.zeros((), bool),
-            skipped_count=count,
-            consecutive_skips=count,
-            accepted_count=count,
-            norm=zero,
-            norm_mean=zero,
-            norm_variance=zero,
-            loss=jnp.full((), jnp.nan, dtype),
-            loss_count=count,
-            loss_mean=zero,
-            loss_variance=zero,
+            init, no, no, count, count, count, zero, *stats, nan, *stats
         )
 
     def update_fn(
@@ -164,35 +178,22 @@ def skip_spikes(
     ) -> tuple[optax.Updates, SkipSpikesState]:
         dtype = state.norm.dtype
         leaves = _leaves.leaves(updates, "skip_spikes", specs=specs, axis_name=names)
-        norm = _engine.global_norm(leaves, 2.0).astype(dtype)
-        n = state.accepted_count
-        broken = ~jnp.isfinite(norm)
-        outlier = _outlier(
-            norm, n, state.norm_mean, state.norm_variance, z_threshold, warmup_steps
-        )
-        if max_norm is not None:  # a NaN `max_norm` skips every step
-            broken |= ~(norm <= jnp.asarray(max_norm).astype(dtype))
+        values = {"norm": _engine.global_norm(leaves, 2.0).astype(dtype)}
         if loss is not None:
-            value = jnp.asarray(loss)
-            _checks.data("loss", value, "a scalar: the step's loss")
-            value = value.astype(dtype)
-            broken |= ~jnp.isfinite(value)
-            outlier |= _outlier(
-                value,
-                state.loss_count,
-                state.loss_mean,
-                state.loss_variance,
-                z_threshold,
-                warmup_steps,
-            )
-        forced = outlier & ~broken & (state.consecutive_skips >= max_consecutive_skips)
+            loss = jnp.asarray(loss)
+            _checks.data("loss", loss, "a scalar: the step's loss")
+            values["loss"] = loss.astype(dtype)
+            extra_args = {**extra_args, "loss": loss}
+        stats = {k: tuple(getattr(state, f"{k}_{s}") for s in STATS) for k in values}
+        broken = ~jnp.all(jnp.isfinite(jnp.stack(list(values.values()))))
+        if max_norm is not None:  # a NaN `max_norm` skips every step
+            broken |= ~(values["norm"] <= jnp.asarray(max_norm).astype(dtype))
+        outlier = jnp.any(jnp.stack([spike(x, stats[k]) for k, x in values.items()]))
+        forced = outlier & ~broken
+        forced &= False if limit is None else state.consecutive_skips >= limit
         skip = broken | (outlier & ~forced)
-        accept = ~skip
-
-        inner_extra = extra_args if loss is None else {**extra_args, "loss": loss}
-
         new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **inner_extra
+            updates, state.inner_state, params, **extra_args
         )
         # Selects, not a lax.cond: XLA fuses each into the elementwise work
         # that made its new value (Adam's moments, apply_updates), so a taken
@@ -201,38 +202,25 @@ def skip_spikes(
         # to give zeros of its output types, varying mesh axes included).
         # result_type, not `u.dtype`: a leaf may be a Python number (0-d).
         out = jax.tree.map(
-            lambda u: jnp.where(skip, jnp.zeros((), jnp.result_type(u)), u),
-            new_updates,
+            lambda u: jnp.where(skip, jnp.zeros((), jnp.result_type(u)), u), new_updates
         )
-        inner_state = jax.tree.map(
-            lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
-        )
-
-        mean, variance = _moments(norm, n, state.norm_mean, state.norm_variance, alpha)
-        new_state = state._replace(
-            inner_state=inner_state,
+        fields: dict[str, Any] = {}
+        for k, x in values.items():
+            take = jnp.isfinite(x) & (True if every else ~skip)
+            new = recorded(x, stats[k], take)
+            fields |= {k: x, **{f"{k}_{s}": v for s, v in zip(STATS, new, strict=True)}}
+        return out, state._replace(
+            inner_state=jax.tree.map(
+                lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
+            ),
             skipped=skip,
             forced=forced,
             skipped_count=_engine.count_if(skip, state.skipped_count),
             consecutive_skips=jnp.where(
                 skip, optax.safe_int32_increment(state.consecutive_skips), 0
             ),
-            accepted_count=_engine.count_if(accept, n),
-            norm=norm,
-            norm_mean=jnp.where(accept, mean, state.norm_mean),
-            norm_variance=jnp.where(accept, variance, state.norm_variance),
+            accepted_count=_engine.count_if(~skip, state.accepted_count),
+            **fields,
         )
-        if loss is not None:
-            count = state.loss_count
-            mean, variance = _moments(
-                value, count, state.loss_mean, state.loss_variance, alpha
-            )
-            new_state = new_state._replace(
-                loss=value,
-                loss_count=_engine.count_if(accept, count),
-                loss_mean=jnp.where(accept, mean, state.loss_mean),
-                loss_variance=jnp.where(accept, variance, state.loss_variance),
-            )
-        return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

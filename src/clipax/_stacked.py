@@ -44,7 +44,8 @@ def _fold(node: Any, keys: list[Any], root: bool = True) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
-    return treedef.unflatten([_fold(child, keys, root=False) for _, child in flat])
+    folded = [_fold(child, keys, root=False) for _, child in flat]
+    return treedef.unflatten(folded)  # type: ignore[attr-defined]
 
 
 def stacked_prefix(
@@ -93,7 +94,7 @@ def stacked_prefix(
       >>> clipax.stacked_prefix(params, path="^blocks/")
       {'blocks': 1, 'embed': 0}
       >>> clipax.stacked_prefix(params, path="^blocks/", axes=(1,))
-      {'blocks': LayerAxes(axes=(1,)), 'embed': 0}
+      {'blocks': LayerAxes(1), 'embed': 0}
     """
     if (axis_name is None) == (path is None):
         raise ValueError("Give `axis_name` or `path` to `stacked_prefix`, one of them.")
@@ -108,9 +109,10 @@ def stacked_prefix(
         names = [_names(x) for _, x in flat]
         if not any(axis_name in n for n in names if n):
             found = sorted({str(a) for n in names if n for a in n})
+            none = "none (the leaves carry no names: pass the boxed parameters, or "
             raise ValueError(
                 f"No leaf of the tree has the logical axis name {axis_name!r}; the "
-                f"names found are {found or 'none (the leaves carry no names: pass the boxed parameters, or give `path`)'}."
+                f"names found are {found or none + 'give `path`)'}."
             )
         entries: list[Any] = [
             None
@@ -119,9 +121,9 @@ def stacked_prefix(
             for n in names
         ]
         beside: dict[tuple[str, ...], set[Any]] = {}
-        for (key_path, _), entry in zip(flat, entries, strict=True):
-            if entry is not None:
-                beside.setdefault(tuple(path_keys(key_path)[:-1]), set()).add(entry)
+        for (key_path, _), named in zip(flat, entries, strict=True):
+            if named is not None:
+                beside.setdefault(tuple(path_keys(key_path)[:-1]), set()).add(named)
         for i, (key_path, _) in enumerate(flat):
             if entries[i] is None:
                 found_here = beside.get(tuple(path_keys(key_path)[:-1]), set())
@@ -162,4 +164,5 @@ def stacked_prefix(
         )
         for e, s in zip(entries, shapes, strict=True)
     ]
-    return _fold(treedef.unflatten(range(len(flat))), keys)
+    indices = treedef.unflatten(range(len(flat)))  # type: ignore[attr-defined]
+    return _fold(indices, keys)

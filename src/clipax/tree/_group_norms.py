@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -105,7 +104,8 @@ def group_norms(
         layers.append(n.shape)
     members = _leaves.layer_keys([leaf.path for leaf in leaves], layers)
     groups: dict[str, tuple[str, ...]] = {}  # each group's name -> its entries
-    ids, first = [], {}
+    ids: list[int] = []
+    first: dict[str, int] = {}
     for i, _, keys in members:
         if prefixes is None:
             group = tuple(keys[: depth or 1])

@@ -1,0 +1,196 @@
+"""Stable-SPAM: per-tensor AdaClip and AdaGN on the gradients, then `inner`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from clipax import _checks, _engine, _leaves, _states
+
+
+@_states.declare(
+    "stable_spam",
+    per_tensor={"m_max": "m_max", "m_norm": "m_norm", "v_norm": "v_norm"},
+    inner="inner_state",
+)
+class StableSpamState(NamedTuple):
+    """State of `stable_spam`: each tensor's statistics and the wrapped state."""
+
+    inner_state: optax.OptState  # the wrapped transformation's state
+    count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps taken (the bias corrections' t)
+    m_max: chex.ArrayTree  # the updates' tree, a float32 scalar per tensor
+    # (a vector, one per layer, for a stacked leaf): EMA of its largest |g|
+    m_norm: chex.ArrayTree  # likewise: EMA of its norm after AdaClip
+    v_norm: chex.ArrayTree  # likewise: EMA of that norm squared
+
+
+def stable_spam(
+    inner: optax.GradientTransformation,
+    *,
+    theta: ArrayLike = 0.999,
+    gamma1: ArrayLike = 0.7,
+    gamma2: ArrayLike = 0.9,
+    eps: ArrayLike = 1e-8,
+    reset_every: int | None = 1000,
+    stacked: Any = None,
+    axis_name: str | Sequence[str] | None = None,
+    specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Stable-SPAM's gradient handling per tensor, then `inner`.
+
+    Stable-SPAM (Huang et al. 2025) for each tensor: AdaClip scales the
+    entries above a bias-corrected EMA (`theta`) of the tensor's largest |g|
+    down by that EMA over the largest |g|; AdaGN then rescales the tensor to
+    norm `m / (sqrt(v) + eps)`, the bias-corrected EMAs of its norm (`gamma1`)
+    and of its squared norm (`gamma2`). `inner` (Adam in the paper) takes the
+    result; its state is re-initialised (`inner.init`) before every
+    `reset_every`-th step. pytorch-optimizer's `StableSPAM(lr, betas, gamma1,
+    gamma2, theta, weight_decay, update_proj_gap, eps)` is
+    `stable_spam(optax.adamw(lr, b1, b2, eps=eps, weight_decay=weight_decay),
+    theta=theta, gamma1=gamma1, gamma2=gamma2, eps=eps,
+    reset_every=update_proj_gap)` (docs/porting.md). Where a tensor's whole
+    gradient is zero, its statistics stay and `inner` sees the zeros
+    (StableSPAM skips Adam for that tensor); a tensor whose gradient holds
+    NaN or inf keeps its statistics and comes out NaN. With `stacked`, each
+    layer of a stacked leaf is a tensor of its own (docs/stacked-layers.md).
+
+    Args:
+      inner: the optimizer the gradients go to, e.g. `optax.adamw(1e-3)`;
+        extra arguments of `update` are forwarded to it.
+      theta: the EMA factor of each tensor's largest |g|, in (0, 1).
+      gamma1: the EMA factor of each tensor's norm, in (0, 1).
+      gamma2: the EMA factor of its squared norm, in (0, 1).
+      eps: added to the root of the squared norm's EMA, >= 0.
+      reset_every: None (never), or every how many steps `inner`'s state is
+        re-initialised, an int >= 1.
+      stacked: None, or a prefix of the updates holding, per subtree, how many
+        leading axes index stacked layers (or a `clipax.LayerAxes`), or a
+        callable that returns one.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
+        split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `StableSpamState`.
+
+    Raises:
+      ValueError: at construction, if an argument is not accepted.
+      TypeError: at construction, if `inner` is not a transformation; at
+        `init` or `update`, if a leaf is not a float array.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import clipax
+      >>> tx = clipax.stable_spam(optax.sgd(1.0), reset_every=None)
+      >>> state = tx.init({"w": jnp.zeros(2)})
+      >>> for g in [1.0, 1.0, 50.0]:  # a spike at the third step
+      ...     updates, state = tx.update({"w": jnp.array([g, -g])}, state)
+      >>> updates["w"]  # norm 70.7 clipped, then rescaled by AdaGN to 0.80
+      Array([-0.566,  0.566], dtype=float32)
+
+    References:
+      Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
+      16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025.
+    """
+    _checks.transformation("inner", inner)
+    theta, gamma1, gamma2 = (
+        _checks.unit(n, v)
+        for n, v in (("theta", theta), ("gamma1", gamma1), ("gamma2", gamma2))
+    )
+    eps = _checks.number("eps", eps, "a finite real number >= 0", low=0, high_open=True)
+    if reset_every is not None:
+        reset_every = _checks.integer("reset_every", reset_every)
+    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
+    inner = optax.with_extra_args_support(inner)
+
+    def checked(tree: optax.Params) -> _leaves.Leaves:
+        return _leaves.leaves(
+            tree, "stable_spam", stacked=stacked, specs=specs, axis_name=names
+        )
+
+    def init_fn(params: optax.Params) -> StableSpamState:
+        leaves = checked(params)
+        dtype = _engine.tree_accum_dtype(leaves.arrays)
+        zeros = [jnp.zeros(leaf.layers, dtype) for leaf in leaves]
+        stats = (leaves.rebuild(zeros),) * 3
+        return StableSpamState(inner.init(params), jnp.zeros((), jnp.int32), *stats)
+
+    def update_fn(
+        updates: optax.Updates,
+        state: StableSpamState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, StableSpamState]:
+        leaves = checked(updates)
+        m_max, m_norm, v_norm = (
+            _leaves.check_state("stable_spam", leaves, tree)
+            for tree in (state.m_max, state.m_norm, state.v_norm)
+        )
+        dtype = _engine.tree_accum_dtype(leaves.arrays)
+        t = optax.safe_int32_increment(state.count)
+        steps = t.astype(dtype)
+
+        def lerp(
+            old: jax.Array, new: jax.Array, gamma: Any, where: jax.Array
+        ) -> jax.Array:
+            """`old` moved by 1 - `gamma` towards `new` (as torch's `lerp`) where
+            `where`."""
+            return jnp.where(where, old + (1 - gamma) * (new - old), old)
+
+        # AdaClip: entries above the EMA of the largest |g| scaled down to it.
+        inner_axes = [leaf.inner for leaf in leaves]
+        peaks = _engine.norms(leaves, inner_axes, math.inf)
+        clipped, new_max = [], []
+        for leaf, peak, old in zip(leaves, peaks, m_max, strict=True):
+            peak = peak.reshape(leaf.layers)
+            new_max.append(lerp(old, peak, theta, jnp.isfinite(peak)))
+            top = leaf.broadcast(new_max[-1] / (1 - theta**steps))
+            g = jnp.asarray(leaf.x).astype(jnp.result_type(leaf.x.dtype, dtype))
+            scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
+            clipped.append(jnp.where(jnp.abs(g) > top, g * scale, g))
+        # AdaGN: each tensor rescaled to its EMA-normalised norm.
+        norms = _engine.norms(
+            [
+                dataclasses.replace(leaf, x=g)
+                for leaf, g in zip(leaves, clipped, strict=True)
+            ],
+            inner_axes,
+        )
+        out, new_m, new_v = [], [], []
+        for leaf, g, n, m, v in zip(
+            leaves, clipped, norms, m_norm, v_norm, strict=True
+        ):
+            n = n.reshape(leaf.layers)
+            active = jnp.isfinite(n) & (n > 0)
+            new_m.append(lerp(m, n, gamma1, active))
+            new_v.append(lerp(v, jnp.square(n), gamma2, active))
+            target = (new_m[-1] / (1 - gamma1**steps)) / (
+                jnp.sqrt(new_v[-1] / (1 - gamma2**steps)) + eps
+            )
+            factor = jnp.where(active, target / jnp.where(active, n, 1), 1)
+            out.append((g * leaf.broadcast(factor)).astype(leaf.x.dtype))
+        inner_state = state.inner_state
+        if reset_every is not None:  # Stable-SPAM's momentum reset
+            fresh = inner.init(updates if params is None else params)
+            reset = t % reset_every == 0
+            inner_state = jax.tree.map(
+                lambda f, o: jnp.where(reset, f, o), fresh, inner_state
+            )
+        new_updates, inner_state = inner.update(
+            leaves.rebuild(out), inner_state, params, **extra_args
+        )
+        return new_updates, StableSpamState(
+            inner_state, t, *map(leaves.rebuild, (new_max, new_m, new_v))
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
