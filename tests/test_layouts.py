@@ -9,6 +9,7 @@ matches nothing, or leaves of one stack with other layer counts, are errors.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -497,4 +498,17 @@ def test_compiles_once_with_the_layer_axis_second() -> None:
     assert len(traces) == 1 and step._cache_size() == 1
     assert (
         "decoder/layers/3/norm" in logs and "adagc/decoder/layers/3/mlp/wi/ema" in logs
+    )
+
+
+def test_a_partial_of_stacked_prefix_is_called() -> None:
+    # functools.partial is a pytree to JAX, but a function to call here.
+    tx = clipax.clip_by_norm(
+        1.0,
+        stacked=functools.partial(
+            clipax.stacked_prefix, path="^decoder/layers/", axes=(1,)
+        ),
+    )
+    assert tx.init(maxtext_tree(0)).norms["decoder"]["layers"]["mlp"]["wi"].shape == (
+        L,
     )

@@ -261,10 +261,11 @@ def leaves(
                 f"at {path_str(leaf.path)} has shape {tuple(leaf.x.shape)}."
             )
     if stacked is not None:
-        if callable(stacked) and jax.tree_util.treedef_is_leaf(
-            jax.tree.structure(stacked)
+        entry_types = (numbers.Integral, LayerAxes)
+        if callable(stacked) and not all(  # a model of ints is a prefix
+            isinstance(e, entry_types) for e in jax.tree.leaves(stacked)
         ):
-            stacked = stacked(tree)  # a function; a callable pytree is a prefix
+            stacked = stacked(tree)
         items = _stack(stacked, tree, items, int(batched))
     if specs is not None or axis_name:
         items = _place(specs, axis_name, tree, items)
