@@ -18,7 +18,7 @@ The rules, each the whole optimizer a user would write:
 - skip_spikes: `clipax.skip_spikes(chain(clipax.clip_by_global_norm(2.0), sgd))`.
 
 Every step logs `clipax.metrics(opt_state)` (every statistic clipax keeps, as
-a flat dict) to `spikes_metrics.jsonl`, under a tqdm progress bar, and the
+a flat mapping) to `spikes_metrics.jsonl`, under a tqdm progress bar, and the
 script writes `spikes.png`
 (loss, pre-clip norm, threshold and skipped steps per rule) and one summary
 line per rule: the loss before the first spike, the worst loss after it, the

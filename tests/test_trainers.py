@@ -375,3 +375,30 @@ def test_under_shard_map_with_specs_equal_one_device() -> None:
         chex.assert_trees_all_close(
             dict(clipax.metrics(state)), dict(clipax.metrics(one_state)), rtol=2e-6
         )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: clipax.stable_spam(optax.adamw(1e-3), reset_every=2),
+        lambda: clipax.skip_spikes(optax.adam(1e-3), window=4, history="all"),
+        lambda: optax.chain(
+            optax.adam(1e-3), clipax.zclip(window=4, warmup_steps=2, history="raw")
+        ),
+    ],
+    ids=["stable_spam", "skip_spikes window", "zclip window"],
+)
+def test_checkpoints_restore_through_migrate_state(make: Any, tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    tx = make()
+    params = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    state = tx.init(params)
+    for scale in (1.0, 2.0, 0.5):
+        grads = jax.tree.map(lambda x, s=scale: s * x, params)
+        _, state = tx.update(grads, state, params)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "ckpt")  # plain dicts and lists
+    chex.assert_trees_all_equal(clipax.migrate_state(restored, tx.init(params)), state)

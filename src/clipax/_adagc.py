@@ -38,11 +38,11 @@ def adagc_step(
     factor: jax.Array,
     ratio: jax.Array,
     alpha: jax.Array,
-    rest: jax.Array,
+    one_minus_alpha: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """AdaGC's step for one tensor's `norm` (docs/semantics.md, "AdaGC"): its
     threshold and new EMA. `warming` and `factor` (the warm-up's global clip
-    factor) are the step's; `rest` is 1 - `alpha`."""
+    factor) are the step's."""
     unseen = ema == np.inf
     # Warm-up: global clipping to `max_norm`; the EMA starts from the smallest
     # nonzero clipped norm of the tensor.
@@ -52,7 +52,7 @@ def adagc_step(
     # follows the clipped norm; the tensor's first nonzero norm starts it.
     previous = jnp.where(unseen, norm, ema)
     limit = ratio * previous
-    ema_after = alpha * previous + rest * jnp.minimum(norm, limit)
+    ema_after = alpha * previous + one_minus_alpha * jnp.minimum(norm, limit)
     ema_after = jnp.where(unseen & (norm == 0), ema, ema_after)
     threshold = jnp.where(warming, warm_clipped, limit)
     return threshold, jnp.where(warming, warm_ema, ema_after)

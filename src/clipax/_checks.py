@@ -89,7 +89,9 @@ def real_array(name: str, value: Any, accepted: str) -> np.ndarray:
     return array.astype(np.float64)
 
 
-def data(name: str, value: jax.Array, accepted: str, *, scalar: bool = True) -> None:
+def jax_number(
+    name: str, value: jax.Array, accepted: str, *, scalar: bool = True
+) -> None:
     """A JAX array where a number belongs: a real dtype and, for a scalar, no
     dimensions (both known when traced); its values are not read."""
     if not _real_dtype(value.dtype):
@@ -121,7 +123,7 @@ def number(
         if it is not a scalar, is NaN, or lies outside the bounds.
     """
     if is_data(value):
-        data(name, value, accepted)
+        jax_number(name, value, accepted)
         return value
     array = real_array(name, value, accepted)
     if array.ndim != 0:
@@ -168,7 +170,7 @@ def integer(name: str, value: Any, minimum: int = 1, *, data_ok: bool = False) -
     """
     accepted = f"an int >= {minimum}"
     if data_ok and is_data(value):
-        data(name, value, accepted)
+        jax_number(name, value, accepted)
         if not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(
                 f"`{name}` must be {accepted}; got an array of dtype {value.dtype}."
@@ -338,7 +340,7 @@ def bounds(min_value: Any, max_value: Any) -> None:
     arrays = {}
     for name, value in (("min_value", min_value), ("max_value", max_value)):
         if is_data(value):
-            data(name, value, accepted, scalar=False)
+            jax_number(name, value, accepted, scalar=False)
             continue
         arrays[name] = real_array(name, value, accepted)
         if np.isnan(arrays[name]).any():

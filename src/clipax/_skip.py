@@ -181,7 +181,7 @@ def skip_spikes(
         values = {"norm": _engine.global_norm(leaves, 2.0).astype(dtype)}
         if loss is not None:
             loss = jnp.asarray(loss)
-            _checks.data("loss", loss, "a scalar: the step's loss")
+            _checks.jax_number("loss", loss, "a scalar: the step's loss")
             values["loss"] = loss.astype(dtype)
             extra_args = {**extra_args, "loss": loss}
         stats = {k: tuple(getattr(state, f"{k}_{s}") for s in STATS) for k in values}

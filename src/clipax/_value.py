@@ -108,7 +108,7 @@ def clip(
     """
     del foreach  # means nothing in JAX
     if _checks.is_data(max_delta):  # <= 0 zeroes every update; NaN gives NaN
-        _checks.data("max_delta", max_delta, MAX_DELTA_ACCEPTED, scalar=False)
+        _checks.jax_number("max_delta", max_delta, MAX_DELTA_ACCEPTED, scalar=False)
         bound = jnp.maximum(max_delta, 0)
         signed = jnp.promote_types(bound.dtype, jnp.int8)
         return clip_by_value(-bound.astype(signed), bound)

@@ -1,4 +1,4 @@
-"""Norms of a pytree's groups of leaves (layers, modules), as a flat dict."""
+"""Norms of a pytree's groups of leaves (layers, modules), as a flat mapping."""
 
 from __future__ import annotations
 
@@ -103,10 +103,11 @@ def group_norms(
         vectors.append(_engine.replicated(n).reshape(-1))
         layers.append(n.shape)
     members = _leaves.layer_keys([leaf.path for leaf in leaves], layers)
-    groups: dict[str, tuple[str, ...]] = {}  # each group's name -> its entries
-    ids: list[int] = []
-    first: dict[str, int] = {}
-    for i, _, keys in members:
+    # Each group's members as places in `values` (every layer norm, then a 0).
+    offsets = np.cumsum([0, *(v.size for v in vectors)])
+    columns: dict[str, list[int]] = {}
+    entries: dict[str, tuple[tuple[str, ...], int]] = {}  # key entries, first leaf
+    for i, index, keys in members:
         if prefixes is None:
             group = tuple(keys[: depth or 1])
         else:
@@ -125,21 +126,21 @@ def group_norms(
                     f"{SEPARATOR!r}."
                 )
             if not match:
-                ids.append(-1)
                 continue
             group = match[0]
         name = SEPARATOR.join(group) or "root"
-        if groups.setdefault(name, group) != group:
+        seen, first = entries.setdefault(name, (group, i))
+        if seen != group:
             raise ValueError(
                 f"`group_norms` got the leaves at "
-                f"{_leaves.path_str(leaves[first[name]].path)} and "
+                f"{_leaves.path_str(leaves[first].path)} and "
                 f"{_leaves.path_str(leaves[i].path)}, whose groups at "
                 f"`depth`={depth or 1} both write as {name!r}: a dict key holding "
                 f"{SEPARATOR!r} reads as two path entries, and one norm would hide the "
                 f"other. Rename the key so that it holds no {SEPARATOR!r}."
             )
-        first.setdefault(name, i)
-        ids.append(list(groups).index(name))
+        place = np.ravel_multi_index(index or (), layers[i])
+        columns.setdefault(name, []).append(offsets[i] + place)
     for q in wanted:
         if not any(tuple(keys[: len(q)]) == q for _, _, keys in members):
             tops = sorted({keys[0] for _, _, keys in members if keys})
@@ -147,21 +148,18 @@ def group_norms(
                 f"`prefixes` entry {SEPARATOR.join(q)!r} matches no leaf of the tree, "
                 f"whose paths start with {tops}: a logger would never see its norm."
             )
-    # Each group's members' norms as a column (zeros below: they change no
-    # p-norm), then one exact norm of every column.
-    dtype = _engine.tree_accum_dtype(leaves.arrays)
-    offsets = np.cumsum([0, *(v.size for v in vectors)])
-    columns: list[list[int]] = [[] for _ in groups]
-    for (i, index, _), g in zip(members, ids, strict=True):
-        if g >= 0:
-            columns[g].append(offsets[i] + np.ravel_multi_index(index or (), layers[i]))
-    table = np.full((max(map(len, columns), default=0), len(groups)), offsets[-1])
-    for g, column in enumerate(columns):
+    # The groups as columns, zeros below (they change no p-norm), then one
+    # exact norm of every column.
+    table = np.full(
+        (max(map(len, columns.values()), default=0), len(columns)), offsets[-1]
+    )
+    for g, column in enumerate(columns.values()):
         table[: len(column), g] = column
+    dtype = _engine.tree_accum_dtype(leaves.arrays)
     values = jnp.concatenate([*(v.astype(dtype) for v in vectors), jnp.zeros(1, dtype)])
     totals = _engine.norm_of_norms(values[table], p)
     head = f"{key_prefix}{SEPARATOR}" if key_prefix else ""
     return Metrics(
         [totals],
-        {f"{head}{name}{SEPARATOR}norm": (0, g) for g, name in enumerate(groups)},
+        {f"{head}{name}{SEPARATOR}norm": (0, g) for g, name in enumerate(columns)},
     )
