@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,3 +151,50 @@ def test_a_key_holding_the_separator_is_not_silently_left_out(prefix: str) -> No
     with pytest.raises(ValueError, match=r"\['a/b'\].*`prefixes`"):
         clipax.tree.group_norms(tree, prefixes=[prefix])
     assert clipax.tree.group_norms(tree, prefixes=["c"]) == {"c/norm": 4.0}
+
+
+@pytest.mark.devices(4)
+def test_in_shard_map_every_device_takes_the_same_pass() -> None:
+    # A zero layer on one device only needs the exact pass there; its
+    # collectives must still meet the other devices'.
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tree = {"a": jnp.stack([jnp.zeros(4), jnp.ones(4)]), "b": jnp.arange(8.0)}
+    specs, stacked = {"a": P("x"), "b": P("x")}, {"a": 1, "b": 0}
+    want = clipax.tree.group_norms(tree, depth=2, stacked=stacked)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t: clipax.tree.group_norms(t, depth=2, stacked=stacked, specs=specs),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=P(),
+        )
+    )
+    placed = jax.tree.map(
+        lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+    )
+    got = fn(placed)
+    assert list(got) == list(want)
+    chex.assert_trees_all_close(dict(got), dict(want), rtol=1e-6)
+
+
+@pytest.mark.devices(4)
+def test_layers_split_over_two_mesh_axes_keep_their_order() -> None:
+    mesh = jax.make_mesh(
+        (2, 2), ("b", "a"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    tree = {"w": jnp.stack([jnp.full(3, i + 1.0) for i in range(4)])}
+    specs = {"w": P(("b", "a"))}
+    fn = jax.jit(
+        jax.shard_map(
+            lambda t: clipax.tree.group_norms(t, depth=2, stacked=1, specs=specs),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=P(),
+        )
+    )
+    got = fn({"w": jax.device_put(tree["w"], NamedSharding(mesh, specs["w"]))})
+    np.testing.assert_allclose(
+        [got[f"w/{i}/norm"] for i in range(4)],
+        [np.sqrt(3) * (i + 1) for i in range(4)],
+        rtol=1e-6,
+    )

@@ -440,9 +440,12 @@ def zclip(
     )
 
     def init(dtype: np.dtype) -> ZClipState:
-        zero = jnp.zeros((), dtype)
+        zeros = [jnp.zeros((), dtype) for _ in range(3)]  # each its own array
+        mean, variance, norm = zeros  # (a state may be donated)
         buffer = jnp.zeros((warmup if size is None else size,), dtype)
-        return ZClipState(zero, zero, jnp.int32(0), zero, zero + jnp.inf, buffer)
+        inf = jnp.full((), jnp.inf, dtype)
+        count = jnp.zeros((), jnp.int32)
+        return ZClipState(mean, variance, count, norm, inf, buffer)
 
     return global_rule(
         "zclip", init, rule, p=2.0, specs=specs, axis_name=_checks.axis_name(axis_name)

@@ -208,7 +208,8 @@ def complete(
         offset = 0
         for i in index:
             size = values[i].size
-            out[i] = reduced[offset : offset + size].reshape(values[i].shape)
+            piece = reduced[offset : offset + size].reshape(values[i].shape)
+            out[i] = piece.astype(values[i].dtype)
             offset += size
     return out
 
@@ -568,6 +569,8 @@ def norms(
         return sums(p, second), second
 
     needs = jnp.any(jnp.stack([jnp.any(_needs_rescale(t)) for t in plain]))
+    # Every device takes the same branch: its collectives must all meet.
+    needs = pmax_all(needs.astype(jnp.int32), [leaf.split() for leaf in items]) > 0
     totals, scales = _cond(needs, rescaled, lambda: (plain, ones))
     return [safe_root(t, p) / s for t, s in zip(totals, scales, strict=True)]
 

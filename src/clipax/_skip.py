@@ -7,7 +7,6 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -161,12 +160,16 @@ def skip_spikes(
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
         dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
-        zero, no, count = jnp.zeros((), dtype), jnp.zeros((), bool), jnp.int32(0)
-        stats, nan = (count, zero, zero, jnp.zeros((size or 0,), dtype)), zero * np.nan
-        init = inner.init(params)
-        return SkipSpikesState(
-            init, no, no, count, count, count, zero, *stats, nan, *stats
-        )
+        # Each field its own array: a state may be donated.
+        kinds = {"skipped": bool, "forced": bool, "consecutive_skips": jnp.int32}
+        fields = {
+            f: jnp.zeros((), jnp.int32 if f.endswith("count") else kinds.get(f, dtype))
+            for f in SkipSpikesState._fields[1:]
+        }
+        fields["loss"] = jnp.full((), jnp.nan, dtype)
+        for window in ("norm_window", "loss_window"):
+            fields[window] = jnp.zeros((size or 0,), dtype)
+        return SkipSpikesState(inner.init(params), **fields)
 
     def update_fn(
         updates: optax.Updates,

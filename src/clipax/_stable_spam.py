@@ -56,11 +56,15 @@ def stable_spam(
     gamma2, theta, weight_decay, update_proj_gap, eps)` is
     `stable_spam(optax.adamw(lr, b1, b2, eps=eps, weight_decay=weight_decay),
     theta=theta, gamma1=gamma1, gamma2=gamma2, eps=eps,
-    reset_every=update_proj_gap)` (docs/porting.md). Where a tensor's whole
-    gradient is zero, its statistics stay and `inner` sees the zeros
-    (StableSPAM skips Adam for that tensor); a tensor whose gradient holds
-    NaN or inf keeps its statistics and comes out NaN. With `stacked`, each
-    layer of a stacked leaf is a tensor of its own (docs/stacked-layers.md).
+    reset_every=update_proj_gap)` (docs/porting.md). `inner`'s whole state is
+    re-initialised, a schedule in it too: to keep a learning-rate schedule
+    running, chain it after `stable_spam` (`optax.chain(stable_spam(
+    optax.scale_by_adam()), optax.scale_by_learning_rate(schedule))`). Where a
+    tensor's whole gradient is zero, its norm statistics stay (`m_max` decays,
+    as pytorch-optimizer's does) and `inner` sees the zeros (StableSPAM skips
+    Adam for that tensor); a tensor whose gradient holds NaN or inf keeps its
+    statistics and comes out all NaN. With `stacked`, each layer of a stacked
+    leaf is a tensor of its own (docs/stacked-layers.md).
 
     Args:
       inner: the optimizer the gradients go to, e.g. `optax.adamw(1e-3)`;
@@ -121,8 +125,10 @@ def stable_spam(
     def init_fn(params: optax.Params) -> StableSpamState:
         leaves = checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
-        zeros = [jnp.zeros(leaf.layers, dtype) for leaf in leaves]
-        stats = (leaves.rebuild(zeros),) * 3
+        stats = [  # each its own arrays: a state may be donated
+            leaves.rebuild([jnp.zeros(leaf.layers, dtype) for leaf in leaves])
+            for _ in range(3)
+        ]
         return StableSpamState(inner.init(params), jnp.zeros((), jnp.int32), *stats)
 
     def update_fn(
@@ -178,6 +184,7 @@ def stable_spam(
                 jnp.sqrt(new_v[-1] / (1 - gamma2**steps)) + eps
             )
             factor = jnp.where(active, target / jnp.where(active, n, 1), 1)
+            factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
             out.append((g * leaf.broadcast(factor)).astype(leaf.x.dtype))
         inner_state = state.inner_state
         if reset_every is not None:  # Stable-SPAM's momentum reset

@@ -141,6 +141,8 @@ def stacked_prefix(
                 f"`path` must be a regular expression; got {path!r}."
             ) from error
         if isinstance(axes, tuple):
+            if not axes:
+                raise ValueError("`axes` must be an int >= 0 or ints; got ().")
             entry: Any = LayerAxes(*_checks.axes(axes) or ())
         else:
             entry = _checks.integer("axes", axes, minimum=0)

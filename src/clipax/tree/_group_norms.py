@@ -98,8 +98,8 @@ def group_norms(
     for leaf, n in zip(leaves, norms, strict=True):
         n = n.reshape(leaf.layers)
         for dim, axis in enumerate(leaf.layer_axes):  # layers on other devices
-            if split := leaf.split((axis,)):
-                n = _engine.gathered(n, dim, split)
+            if leaf.dims and leaf.dims[axis]:  # in the spec's order of mesh axes
+                n = _engine.gathered(n, dim, leaf.dims[axis])
         vectors.append(_engine.replicated(n).reshape(-1))
         layers.append(n.shape)
     members = _leaves.layer_keys([leaf.path for leaf in leaves], layers)
