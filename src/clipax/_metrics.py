@@ -61,15 +61,15 @@ class Metrics(Mapping[str, Any]):
         self._arrays = list(arrays)
         self._where = where  # key -> (array, flat index into it or None)
         self._host: list[Any] | None = None
+        self._traced = any(isinstance(a, jax.core.Tracer) for a in self._arrays)
 
     def __getitem__(self, key: str) -> Any:
         j, index = self._where[key]
-        if not any(isinstance(a, jax.core.Tracer) for a in self._arrays):
-            if self._host is None:
-                self._host = jax.device_get(self._arrays)
-            return self._host[j][() if index is None else index]
-        array = self._arrays[j]
-        return array if index is None else array[index]
+        if self._traced:
+            return self._arrays[j] if index is None else self._arrays[j][index]
+        if self._host is None:
+            self._host = jax.device_get(self._arrays)
+        return self._host[j][() if index is None else index]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
