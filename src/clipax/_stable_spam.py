@@ -32,47 +32,6 @@ class StableSpamState(NamedTuple):
     v_norm: chex.ArrayTree  # likewise: EMA of that norm squared
 
 
-# Jitted, so that tensors of one shape share one trace (benchmarks/RESULTS.md).
-
-
-@jax.jit
-def _adaclip(
-    g: jax.Array, peak: jax.Array, m_max: jax.Array, theta: jax.Array, c: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """AdaClip for one tensor: the EMA (`theta`, as torch's `lerp`) of its
-    largest |g| (kept where that is not finite), and `g` with the entries
-    above the EMA's bias-corrected value (over `c`) scaled down by it over
-    the largest |g|."""
-    m_max = jnp.where(jnp.isfinite(peak), m_max + (1 - theta) * (peak - m_max), m_max)
-    top = m_max / c
-    return m_max, jnp.where(
-        jnp.abs(g) > top, g * (top / jnp.where(peak > 0, peak, 1)), g
-    )
-
-
-@jax.jit
-def _adagn(
-    g: jax.Array,
-    n: jax.Array,
-    m: jax.Array,
-    v: jax.Array,
-    gamma1: jax.Array,
-    gamma2: jax.Array,
-    eps: jax.Array,
-    c1: jax.Array,
-    c2: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """AdaGN for one tensor of norm `n`: the EMAs of its norm and squared norm
-    (kept where `n` is 0 or not finite), and `g` rescaled to norm `m_hat /
-    (sqrt(v_hat) + eps)`; all of it NaN where `n` is not finite."""
-    active = jnp.isfinite(n) & (n > 0)
-    m = jnp.where(active, m + (1 - gamma1) * (n - m), m)
-    v = jnp.where(active, v + (1 - gamma2) * (jnp.square(n) - v), v)
-    target = (m / c1) / (jnp.sqrt(v / c2) + eps)
-    factor = jnp.where(active, target / jnp.where(active, n, 1), 1)
-    return m, v, g * jnp.where(jnp.isfinite(n), factor, jnp.nan)
-
-
 def stable_spam(
     inner: optax.GradientTransformation,
     *,
@@ -185,33 +144,48 @@ def stable_spam(
         )
         dtype = _engine.tree_accum_dtype(leaves.arrays)
         t = optax.safe_int32_increment(state.count)
-        shared = [jnp.asarray(v, dtype) for v in (theta, gamma1, gamma2, eps)]
-        powers = [1 - jnp.power(v, t.astype(dtype)) for v in shared[:3]]
-        # AdaClip, then AdaGN on the clipped tensors' norms; per-layer values
-        # shaped to broadcast against their leaf.
+        steps = t.astype(dtype)
+
+        def lerp(
+            old: jax.Array, new: jax.Array, gamma: Any, where: jax.Array
+        ) -> jax.Array:
+            """`old` moved by 1 - `gamma` towards `new` (as torch's `lerp`) where
+            `where`."""
+            return jnp.where(where, old + (1 - gamma) * (new - old), old)
+
+        # AdaClip: entries above the EMA of the largest |g| scaled down to it.
         inner_axes = [leaf.inner for leaf in leaves]
         peaks = _engine.norms(leaves, inner_axes, math.inf)
         clipped, new_max = [], []
         for leaf, peak, old in zip(leaves, peaks, m_max, strict=True):
+            peak = peak.reshape(leaf.layers)
+            new_max.append(lerp(old, peak, theta, jnp.isfinite(peak)))
+            top = leaf.broadcast(new_max[-1] / (1 - theta**steps))
             g = jnp.asarray(leaf.x).astype(jnp.result_type(leaf.x.dtype, dtype))
-            peak = leaf.broadcast(peak)
-            new, g = _adaclip(g, peak, leaf.broadcast(old), shared[0], powers[0])
-            new_max.append(new.reshape(leaf.layers))
-            clipped.append(g)
+            scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
+            clipped.append(jnp.where(jnp.abs(g) > top, g * scale, g))
+        # AdaGN: each tensor rescaled to its EMA-normalised norm.
         norms = _engine.norms(
-            [dataclasses.replace(f, x=g) for f, g in zip(leaves, clipped, strict=True)],
+            [
+                dataclasses.replace(leaf, x=g)
+                for leaf, g in zip(leaves, clipped, strict=True)
+            ],
             inner_axes,
         )
         out, new_m, new_v = [], [], []
         for leaf, g, n, m, v in zip(
             leaves, clipped, norms, m_norm, v_norm, strict=True
         ):
-            m, v, g = _adagn(
-                g, *map(leaf.broadcast, (n, m, v)), *shared[1:], *powers[1:]
+            n = n.reshape(leaf.layers)
+            active = jnp.isfinite(n) & (n > 0)
+            new_m.append(lerp(m, n, gamma1, active))
+            new_v.append(lerp(v, jnp.square(n), gamma2, active))
+            target = (new_m[-1] / (1 - gamma1**steps)) / (
+                jnp.sqrt(new_v[-1] / (1 - gamma2**steps)) + eps
             )
-            new_m.append(m.reshape(leaf.layers))
-            new_v.append(v.reshape(leaf.layers))
-            out.append(g.astype(leaf.x.dtype))
+            factor = jnp.where(active, target / jnp.where(active, n, 1), 1)
+            factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
+            out.append((g * leaf.broadcast(factor)).astype(leaf.x.dtype))
         inner_state = state.inner_state
         if reset_every is not None:  # Stable-SPAM's momentum reset
             fresh = inner.init(updates if params is None else params)
