@@ -312,9 +312,17 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
     first `skip` axes); the leaves under one entry must have the same layers."""
     out: list[Leaf] = []
     first: dict[int, Leaf] = {}
-    for leaf, (index, entry) in zip(
-        items, entries("stacked", prefix, tree, items, None, "entry"), strict=True
-    ):
+    try:
+        found = entries("stacked", prefix, tree, items, None, "entry")
+    except ValueError as error:
+        nodes = jax.tree.leaves(prefix, is_leaf=lambda x: isinstance(x, tuple))
+        if not any(isinstance(node, tuple) for node in nodes):
+            raise
+        raise ValueError(
+            f"{error} A tuple in `stacked` is a node of the prefix, not the "
+            "positions of layer axes: give those as `clipax.LayerAxes(1)`."
+        ) from None
+    for leaf, (index, entry) in zip(items, found, strict=True):
         rank = leaf.x.ndim - skip
         where = f"to the leaf at {path_str(leaf.path)} with shape {leaf.x.shape}"
         if isinstance(entry, LayerAxes):
