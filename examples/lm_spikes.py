@@ -62,7 +62,7 @@ learning rate.
 Run from the repository root:
 
     python examples/lm_spikes.py             # 3 rates x 1 seed x 150 steps: minutes
-    python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: ~50 min
+    python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: ~67 min
     python examples/lm_spikes.py --seeds 3 --lrs 0.01 0.03   # a part of the study
     python examples/lm_spikes.py --steps 8 --lrs 0.01        # smoke run
 """
