@@ -407,40 +407,106 @@ def test_layer_axes_takes_ints() -> None:
     assert repr(clipax.LayerAxes(1, 2)) == "LayerAxes(1, 2)"
 
 
-# One stacking, one state and one set of keys, however the prefix spells it.
+# Where the layer index goes: right after the node of the `stacked=` entry.
 
 
-def test_one_stacking_gives_one_state_and_one_set_of_keys() -> None:
+def test_the_layer_index_goes_after_the_entrys_node() -> None:
     grads = {
         "blocks": {"w": jnp.ones((3, 2, 2)), "b": jnp.ones((3, 2))},
         "head": jnp.ones(2),
     }
-    spellings = [
-        {"blocks": 1, "head": 0},
-        {"blocks": {"w": 1, "b": 1}, "head": 0},
-        lambda u: clipax.stacked_prefix(u, path="^blocks/"),
-    ]
-    states, keys = [], []
-    for stacked in spellings:
+    keys = {}
+    for name, stacked in {
+        "at the module": {"blocks": 1, "head": 0},
+        "from stacked_prefix": lambda u: clipax.stacked_prefix(u, path="^blocks/"),
+        "at each leaf": {"blocks": {"w": 1, "b": 1}, "head": 0},
+    }.items():
         tx = clipax.adagc(warmup_steps=1, stacked=stacked)
         _, state = tx.update(grads, tx.init(grads))
-        states.append(state)
-        keys.append(list(clipax.metrics(state)))
-    assert all(jax.tree.structure(s) == jax.tree.structure(states[0]) for s in states)
-    assert all(k == keys[0] for k in keys)
-    assert "adagc/blocks/0/w/ema" in keys[0]  # the layer index where the stack starts
-    jax.tree.map(jnp.add, states[0], states[1])  # a state maps against its twin
-
-
-def test_two_stacks_of_equal_depth_stay_two() -> None:
-    grads = {
-        "encoder": {"w": jnp.ones((3, 2)), "b": jnp.ones((3, 2))},
-        "decoder": {"w": jnp.ones((3, 2))},
-    }
-    norms = clipax.tree.group_norms(grads, depth=2, stacked=1)
-    assert list(norms) == [
-        f"{s}/{i}/norm" for s in ("decoder", "encoder") for i in range(3)
+        keys[name] = [k for k in clipax.metrics(state) if k.endswith("/ema")]
+    assert keys["at the module"] == keys["from stacked_prefix"]
+    assert keys["at the module"][:2] == ["adagc/blocks/0/b/ema", "adagc/blocks/0/w/ema"]
+    assert keys["at each leaf"][:2] == ["adagc/blocks/b/0/ema", "adagc/blocks/b/1/ema"]
+    # A whole tree's entry is one for each top-level child.
+    norms = clipax.tree.group_norms(grads["blocks"], depth=2, stacked=1)
+    assert list(norms) == [f"b/{i}/norm" for i in range(3)] + [
+        f"w/{i}/norm" for i in range(3)
     ]
+
+
+def _t5(enc_layers: int = 3, dec_layers: int = 3) -> dict:
+    """A T5-shaped tree: the encoder's and decoder's scans are `params`' only
+    children."""
+    rng = np.random.default_rng(0)
+
+    def block(n: int, scale: float) -> dict:
+        return {
+            "attn": {"kernel": jnp.asarray(rng.normal(size=(n, 6, 6)) * scale)},
+            "mlp": {"kernel": jnp.asarray(rng.normal(size=(n, 6, 8)) * scale)},
+        }
+
+    return {
+        "params": {
+            "encoder": {"layers": block(enc_layers, 5.0)},
+            "decoder": {"layers": block(dec_layers, 3.0)},
+        }
+    }
+
+
+T5_STACKED = {"params": {"encoder": {"layers": 1}, "decoder": {"layers": 1}}}
+
+
+def test_two_stacks_that_are_a_parents_only_children_stay_two() -> None:
+    grads = _t5()
+    norms = clipax.tree.group_norms(grads, depth=4, stacked=T5_STACKED)
+    for part in ("encoder", "decoder"):
+        layers = grads["params"][part]["layers"]
+        for i in range(3):
+            want = np.sqrt(sum(np.sum(np.square(x[i])) for x in jax.tree.leaves(layers)))
+            np.testing.assert_allclose(
+                norms[f"params/{part}/layers/{i}/norm"], want, rtol=1e-6
+            )
+    by_prefix = clipax.tree.group_norms(
+        grads, prefixes=["params/encoder"], stacked=T5_STACKED
+    )
+    np.testing.assert_allclose(
+        by_prefix["params/encoder/norm"],
+        clipax.tree.global_norm(grads["params"]["encoder"]),
+        rtol=1e-6,
+    )
+    for spelling in (
+        "^params/(encoder|decoder)/layers/",
+        "^params/[a-z]+coder/layers",
+    ):
+        assert clipax.stacked_prefix(grads, path=spelling) == T5_STACKED
+
+
+def _ema_keys(grads: Any, stacked: Any, wrap: Any = None) -> list[str]:
+    tx = clipax.adagc(warmup_steps=0, stacked=stacked)
+    tx = tx if wrap is None else wrap(tx)
+    _, state = tx.update(grads, tx.init(grads))
+    return [k for k in clipax.metrics(state) if k.endswith("/ema")]
+
+
+def test_a_stacks_keys_depend_on_its_entry_alone() -> None:
+    grads = _t5()
+    keys = _ema_keys(grads, T5_STACKED)
+    encoder = [k for k in keys if "/encoder/" in k]
+    assert encoder[0] == "adagc/params/encoder/layers/0/attn/kernel/ema"
+    # A sibling leaf beside the stacks.
+    grads_more = {"params": {**grads["params"], "embed": jnp.ones((5, 6))}}
+    stacked_more = {"params": {**T5_STACKED["params"], "embed": 0}}
+    assert [
+        k for k in _ema_keys(grads_more, stacked_more) if "/encoder/" in k
+    ] == encoder
+    # The decoder masked by `optax.masked`.
+    mask = {"params": {"encoder": True, "decoder": False}}
+    masked = _ema_keys(grads, T5_STACKED, lambda tx: optax.masked(tx, mask))
+    assert masked == encoder
+    # Other layer counts: the same places.
+    uneven = _ema_keys(_t5(3, 5), T5_STACKED)
+    assert [k for k in uneven if "/encoder/" in k] == encoder
+    assert "adagc/params/decoder/layers/4/mlp/kernel/ema" in uneven
 
 
 # Equinox: the prefix as `stacked_prefix` returns it (a module), and None fields.

@@ -29,6 +29,7 @@ class AdaGCState(NamedTuple):
     norms: chex.ArrayTree  # likewise, each tensor's pre-clip norm
     thresholds: chex.ArrayTree  # likewise, the norm each tensor was clipped
     # to, or would have been (inf before the first step)
+    stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
 def adagc_step(
@@ -147,18 +148,13 @@ def adagc(
     def init_fn(params: optax.Params) -> AdaGCState:
         leaves = checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
-
-        def full(value: float) -> Any:
-            return leaves.rebuild(
-                [jnp.full(leaf.layers, value, dtype) for leaf in leaves]
-            )
-
         return AdaGCState(
-            ema=full(np.inf),
+            ema=leaves.full(np.inf, dtype),
             count=jnp.zeros((), jnp.int32),
             norm=jnp.zeros((), dtype),
-            norms=full(0),
-            thresholds=full(np.inf),
+            norms=leaves.full(0, dtype),
+            thresholds=leaves.full(np.inf, dtype),
+            stacks=leaves.stacks,
         )
 
     def update_fn(
@@ -166,7 +162,7 @@ def adagc(
     ) -> tuple[optax.Updates, AdaGCState]:
         del params
         leaves = checked(updates)
-        emas = _leaves.check_state("adagc", leaves, state.ema)
+        emas = _leaves.check_state("adagc", leaves, state.ema, state.stacks)
         thresholds = _leaves.check_state("adagc", leaves, state.thresholds)
         dtype = state.norm.dtype
         norms = [
@@ -197,11 +193,12 @@ def adagc(
             for leaf, (_, _, factor) in zip(leaves, steps, strict=True)
         ]
         return leaves.rebuild(clipped), AdaGCState(
-            ema=leaves.rebuild([ema for ema, _, _ in steps]),
+            ema=leaves.stats([ema for ema, _, _ in steps]),
             count=_engine.count_if(finite, state.count),
             norm=total.astype(dtype),
-            norms=leaves.rebuild(norms),
-            thresholds=leaves.rebuild([t for _, t, _ in steps]),
+            norms=leaves.stats(norms),
+            thresholds=leaves.stats([t for _, t, _ in steps]),
+            stacks=state.stacks,
         )
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from clipax._checks import is_traced
-from clipax._leaves import Leaf, MeshAxes
+from clipax._leaves import Leaf, MeshAxes, accum_dtype, tree_accum_dtype
 
 # Leaves of at most this many elements are bucketed, and a bucket holds at most
 # BUCKET_ELEMENTS: see benchmarks/RESULTS.md, "What limits each case".
@@ -42,19 +42,6 @@ BUCKET_ELEMENTS = 1 << 15
 
 
 # Dtypes and powers.
-
-
-def accum_dtype(dtype: Any) -> np.dtype:
-    """Float32, or float64 for 64-bit leaves (with x64 on): never narrower."""
-    real = np.dtype(jnp.finfo(dtype).dtype)
-    wide = real.itemsize >= 8 and jax.config.read("jax_enable_x64")
-    return np.dtype(np.float64) if wide else np.dtype(np.float32)
-
-
-def tree_accum_dtype(arrays: Sequence[Any]) -> np.dtype:
-    """The widest `accum_dtype` over `arrays` (float32 for none)."""
-    wide = any(accum_dtype(x.dtype).itemsize >= 8 for x in arrays)
-    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import sys
 from collections.abc import Sequence
@@ -65,12 +66,41 @@ def is_variable(node: Any) -> bool:
     return nnx is not None and isinstance(node, nnx.Variable)
 
 
+def is_named(node: Any) -> bool:
+    """Whether `node` is a haliax `NamedArray` (only where haliax is imported)."""
+    hax = sys.modules.get("haliax")
+    return hax is not None and isinstance(node, hax.NamedArray)
+
+
+def is_wrapper(node: Any) -> bool:
+    """Whether `node` wraps one array with metadata about its axes (an NNX
+    variable, a haliax `NamedArray`): clipax reads the array, and puts a
+    statistic of it in the node's place as a plain array, since the metadata
+    would not fit the statistic's shape."""
+    return is_variable(node) or is_named(node)
+
+
 def unwrap(node: Any) -> Any:
-    """An NNX variable's value (`get_value` from Flax 0.12, `.value` before);
-    any other node as it is."""
+    """A wrapper's array (an NNX variable's value: `get_value` from Flax
+    0.12, `.value` before); any other node as it is."""
+    if is_named(node):
+        return node.array
     if not is_variable(node):
         return node
     return node.get_value() if hasattr(type(node), "get_value") else node.value
+
+
+def accum_dtype(dtype: Any) -> np.dtype:
+    """Float32, or float64 for 64-bit leaves (with x64 on): never narrower."""
+    real = np.dtype(jnp.finfo(dtype).dtype)
+    wide = real.itemsize >= 8 and jax.config.read("jax_enable_x64")
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
+
+
+def tree_accum_dtype(arrays: Sequence[Any]) -> np.dtype:
+    """The widest `accum_dtype` over `arrays` (float32 for none)."""
+    wide = any(accum_dtype(x.dtype).itemsize >= 8 for x in arrays)
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 def _array(x: Any) -> Any:
@@ -109,6 +139,17 @@ class LayerAxes:
         return f"LayerAxes({', '.join(map(str, self.axes))})"
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Stacks:
+    """Where each stacked leaf's stack starts, for the keys of `metrics`: per
+    leaf of a per-tensor state, the depth of its `stacked=` entry's node (None
+    where it is not stacked); () where none is. A pytree node without leaves:
+    it holds no arrays, and maps, jits and checkpoints as nothing."""
+
+    depths: tuple[int | None, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One array of a tree: where it is, and how it is laid out."""
@@ -118,6 +159,8 @@ class Leaf:
     layer_axes: tuple[int, ...] = ()  # the axes indexing stacked layers, sorted
     dims: tuple[MeshAxes, ...] | None = None  # per dimension, the mesh axes
     # that split it (inside shard_map/pmap, from `specs` or `axis_name`)
+    node: Any = None  # the wrapper holding `x` (`is_wrapper`), or None
+    root: KeyPath | None = None  # where its stack starts: its `stacked=` entry
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -184,9 +227,38 @@ class Leaves(list[Leaf]):
         """Whether `specs` or `axis_name` said how the leaves are split."""
         return any(leaf.dims is not None for leaf in self)
 
+    @property
+    def stacks(self) -> Stacks:
+        depths = [len(leaf.root) if leaf.root is not None else None for leaf in self]
+        return Stacks(tuple(depths) if any(d is not None for d in depths) else ())
+
     def rebuild(self, values: Sequence[Any]) -> Any:
-        """The tree with `values` (one per leaf) for its leaves."""
+        """The tree with `values` (one per leaf, shaped as it) for its arrays,
+        each in its leaf's wrapper."""
+        return jax.tree.unflatten(
+            self.treedef,
+            [
+                v
+                if leaf.node is None
+                else jax.tree.unflatten(jax.tree.structure(leaf.node), [v])
+                for leaf, v in zip(self, values, strict=True)
+            ],
+        )
+
+    def stats(self, values: Sequence[Any]) -> Any:
+        """A per-tensor statistic: the tree with `values` (one per leaf, shaped
+        as its layers) for its leaves, a wrapper's place included."""
         return jax.tree.unflatten(self.treedef, list(values))
+
+    def full(self, value: float, dtype: Any = None) -> Any:
+        """A per-tensor statistic holding `value` in `dtype` (each leaf's
+        `accum_dtype` for None), each its own array: a state may be donated."""
+        return self.stats(
+            [
+                jnp.full(leaf.layers, value, dtype or accum_dtype(leaf.x.dtype))
+                for leaf in self
+            ]
+        )
 
 
 def _dtype_error(fn_name: str, leaf: Leaf, kind: str) -> str | None:
@@ -247,8 +319,11 @@ def leaves(
       ValueError: naming the leaf or path, if `stacked` or `specs` does not
         fit the tree, or the batch sizes differ.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    items = [Leaf(path, _array(x)) for path, x in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_wrapper)
+    items = [
+        Leaf(path, _array(unwrap(x)), node=x if is_wrapper(x) else None)
+        for path, x in flat
+    ]
     for leaf in items:
         if error := _dtype_error(fn_name, leaf, kind):
             raise TypeError(error)
@@ -274,16 +349,19 @@ def leaves(
 
 def entries(
     name: str, prefix: Any, tree: Any, items: Sequence[Leaf], is_entry: Any, what: str
-) -> list[tuple[int, Any]]:
+) -> list[tuple[int, Any, KeyPath]]:
     """For each leaf, the entry of `prefix` (a pytree prefix of `tree`) above
-    it: its index among the prefix's entries, and the entry.
+    it: its index among the prefix's entries, the entry, and its path.
 
     Raises:
       ValueError: naming the path, if `prefix` has no entry above a leaf, or
-        holds one where `tree` has no node.
+        holds one where `tree` has no node (below an empty node, an entry
+        describes nothing, as under `optax.masked`).
     """
     flat = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_entry)[0]
-    table = {tuple(path): (i, entry) for i, (path, entry) in enumerate(flat)}
+    table = {
+        tuple(path): (i, entry, tuple(path)) for i, (path, entry) in enumerate(flat)
+    }
     out = []
     for leaf in items:
         above = [leaf.path[:end] for end in range(len(leaf.path), -1, -1)]
@@ -294,16 +372,19 @@ def entries(
                 f"{tuple(leaf.x.shape)}); it must be a prefix of the updates' tree."
             )
         out.append(found)
-    nodes = {
-        path[:end]
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)[0]
-        for end in range(len(path) + 1)
-    }
-    for path in table.keys() - nodes:
-        raise ValueError(
-            f"`{name}` holds an entry at {path_str(path)}, where the updates have no "
-            "node: it must be a prefix of the updates' tree."
-        )
+    nodes, empty = set(), set()
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)[0]:
+        nodes.update(path[:end] for end in range(len(path) + 1))
+        if is_empty(x):
+            empty.add(path)
+    for path in table:  # in the prefix's order, so one error names one entry
+        if path not in nodes and not any(
+            path[:end] in empty for end in range(len(path))
+        ):
+            raise ValueError(
+                f"`{name}` holds an entry at {path_str(path)}, where the updates have "
+                "no node: it must be a prefix of the updates' tree."
+            )
     return out
 
 
@@ -322,7 +403,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
             f"{error} A tuple in `stacked` is a node of the prefix, not the "
             "positions of layer axes: give those as `clipax.LayerAxes(1)`."
         ) from None
-    for leaf, (index, entry) in zip(items, found, strict=True):
+    for leaf, (index, entry, root) in zip(items, found, strict=True):
         rank = leaf.x.ndim - skip
         where = f"to the leaf at {path_str(leaf.path)} with shape {leaf.x.shape}"
         if isinstance(entry, LayerAxes):
@@ -351,7 +432,10 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
                 f"{path_str(leaf.path)} it holds {short_repr(entry)}."
             )
         leaf = dataclasses.replace(
-            leaf, layer_axes=tuple(sorted(a + skip for a in axes))
+            leaf,
+            layer_axes=tuple(sorted(a + skip for a in axes)),
+            # A whole tree's entry (`stacked=1`) is one per top-level child.
+            root=(root or leaf.path[:1]) if axes else None,
         )
         other = first.setdefault(index, leaf)
         if leaf.layers != other.layers:
@@ -384,7 +468,7 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
                     f"the updates); at {path_str(path)} it holds {spec!r}."
                 )
         found = entries("specs", specs, tree, items, _is_spec, "PartitionSpec")
-        spec_of = [spec for _, spec in found]
+        spec_of = [spec for _, spec, _ in found]
     out = []
     for leaf, spec in zip(items, spec_of, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
@@ -410,15 +494,18 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
     return out
 
 
-def check_state(fn_name: str, items: Leaves, state_tree: Any) -> list[Any]:
+def check_state(
+    fn_name: str, items: Leaves, state_tree: Any, stacks: Stacks | None = None
+) -> list[Any]:
     """The entries of a per-tensor state field (one array per leaf, shaped as
-    its layers), checked to be those of the tree `init` was given.
+    its layers), checked to be those of the tree `init` was given, and, with
+    `stacks`, of its stacking.
 
     Raises:
       ValueError: naming the first path that differs and what the state
         expected there.
     """
-    flat = jax.tree_util.tree_flatten_with_path(state_tree)[0]
+    flat = jax.tree_util.tree_flatten_with_path(state_tree, is_leaf=is_wrapper)[0]
     want = [path_str(path) for path, _ in flat]
     got = [path_str(leaf.path) for leaf in items]
     again = "update it with the tree `init` was given, or `init` it again"
@@ -437,14 +524,20 @@ def check_state(fn_name: str, items: Leaves, state_tree: Any) -> list[Any]:
             f"statistics for each leaf `init` was given: {again}."
         )
     for (path, entry), leaf in zip(flat, items, strict=True):
-        if np.shape(entry) != leaf.layers:
+        if np.shape(unwrap(entry)) != leaf.layers:
             raise ValueError(
                 f"`{fn_name}` was initialised for another tree: the leaf at "
                 f"{path_str(path)} has shape {tuple(leaf.x.shape)}, and the state "
-                f"holds statistics of shape {np.shape(entry)} for it, where this shape "
-                f"needs {leaf.layers}: {again}."
+                f"holds statistics of shape {np.shape(unwrap(entry))} for it, where "
+                f"this shape needs {leaf.layers}: {again}."
             )
-    return [entry for _, entry in flat]
+    if stacks is not None and stacks != items.stacks:
+        raise ValueError(
+            f"`{fn_name}` was initialised with another `stacked=`: its state says "
+            f"where each stack starts ({stacks}), and this one says {items.stacks}: "
+            f"{again}."
+        )
+    return [unwrap(entry) for _, entry in flat]
 
 
 def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[Any]:
@@ -482,22 +575,23 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
 
 
 def layer_keys(
-    paths: Sequence[KeyPath], layers: Sequence[tuple[int, ...]]
+    paths: Sequence[KeyPath],
+    layers: Sequence[tuple[int, ...]],
+    depths: Sequence[int | None] = (),
 ) -> list[tuple[int, tuple[int, ...] | None, list[str]]]:
     """The tensors of a tree as the unrolled model has them: for each, its
     leaf, its layer index (None for a leaf not stacked) and its key path with
-    the layer index where its stack starts, in the unrolled model's order
-    (layer by layer through each stack).
-
-    A stack starts at the highest node below the root whose leaves all have
-    the same layers: the keys depend on the layers alone, not on how a
-    `stacked=` prefix spelled them.
+    the layer index right after the node of its `stacked=` entry (`depths`,
+    per leaf: that node's depth; a stacked leaf without one: after the leaf's
+    own keys), in the unrolled model's order (layer by layer through each
+    stack). The keys depend on that entry alone: never on the other leaves,
+    nor on two stacks having equal layer counts.
     """
     keys = [path_keys(path) for path in paths]
-    under: dict[tuple[str, ...], set[tuple[int, ...]]] = {}
-    for k, shape in zip(keys, layers, strict=True):
-        for end in range(1, len(k) + 1):
-            under.setdefault(tuple(k[:end]), set()).add(tuple(shape))
+    depth = [
+        (depths[i] if depths and depths[i] is not None else len(keys[i]))
+        for i in range(len(paths))
+    ]
     out: list[tuple[int, tuple[int, ...] | None, list[str]]] = []
     i = 0
     while i < len(paths):
@@ -505,19 +599,26 @@ def layer_keys(
             out.append((i, None, keys[i]))
             i += 1
             continue
-        root = next(
-            (
-                keys[i][:end]
-                for end in range(1, len(keys[i]))
-                if under[tuple(keys[i][:end])] == {layers[i]}
-            ),
-            keys[i],
-        )
+        d, root = depth[i], keys[i][: depth[i]]
         j = i + 1
-        while j < len(paths) and keys[j][: len(root)] == root and root != keys[i]:
+        while j < len(paths) and layers[j] and depth[j] == d and keys[j][:d] == root:
             j += 1
         for index in np.ndindex(*layers[i]):
             for m in range(i, j):
-                out.append((m, index, [*root, *map(str, index), *keys[m][len(root) :]]))
+                out.append((m, index, [*root, *map(str, index), *keys[m][d:]]))
         i = j
     return out
+
+
+def flat_keys(
+    paths: Sequence[KeyPath],
+    layers: Sequence[tuple[int, ...]],
+    depths: Sequence[int | None] = (),
+) -> list[tuple[int, list[str], int]]:
+    """`layer_keys`, each tensor's entry given as its place in the leaves'
+    values (shaped as their layers) raveled and concatenated."""
+    offsets = np.cumsum([0, *(math.prod(shape) for shape in layers)])
+    return [
+        (i, keys, int(offsets[i] + np.ravel_multi_index(index or (), layers[i])))
+        for i, index, keys in layer_keys(paths, layers, depths)
+    ]

@@ -13,7 +13,13 @@ import optax
 
 from clipax import _engine, _states
 from clipax._checks import short_repr
-from clipax._leaves import is_variable, layer_keys, path_str, unwrap
+from clipax._leaves import (
+    Stacks,
+    flat_keys,
+    is_wrapper,
+    path_str,
+    unwrap,
+)
 
 SEPARATOR = "/"
 # Optax's wrapper states: the name of their factory, and their documented
@@ -39,11 +45,14 @@ class Metrics(Mapping[str, Any]):
 
     What `clipax.metrics` and `clipax.tree.group_norms` return: one array per
     statistic (a vector for per-tensor statistics, one entry per tensor or
-    layer), each key naming an entry. It is a pytree of those arrays, so a
-    jitted step returns a handful of arrays, not one per key. Under
+    layer, on its last axis), each key naming an entry. It is a pytree of
+    those arrays, so a jitted step returns a handful of arrays, not one per
+    key; stacked over steps (`lax.scan`, `jnp.stack` leaf by leaf) or made
+    under `vmap`, a value is the series over the leading axes. Under
     `jax.jit` a value is the array's entry; outside, the first value read
     fetches every array to the host at once (`jax.device_get`), and values
-    are NumPy scalars, ready for any logger. `a | b` merges two.
+    are NumPy scalars (arrays, for a series), ready for any logger. `a | b`
+    merges two.
 
     Example:
       >>> import jax.numpy as jnp
@@ -65,11 +74,12 @@ class Metrics(Mapping[str, Any]):
 
     def __getitem__(self, key: str) -> Any:
         j, index = self._where[key]
+        at = () if index is None else (..., index)  # leading axes: a series
         if self._traced:
-            return self._arrays[j] if index is None else self._arrays[j][index]
+            return self._arrays[j][at]
         if self._host is None:
             self._host = jax.device_get(self._arrays)
-        return self._host[j][() if index is None else index]
+        return self._host[j][at][()]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
@@ -121,7 +131,8 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
 
     Raises:
       ValueError: naming both leaves, if two paths join to one key (a dict key
-        holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`).
+        holding `/`: `{"a/b": x}` beside `{"a": {"b": y}}`); naming the leaf,
+        if a per-tensor statistic is split across devices (inside `shard_map`).
     """
     fields = {f: unwrap(getattr(state, f)) for f in declared.fields}
     scalars = {
@@ -141,22 +152,30 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     tensors: dict[str, Any] = {}
     paths: list[Any] = []
     for field, stat in declared.per_tensor.items():
-        flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_variable)[
-            0
-        ]
-        paths, values = [p for p, _ in flat], [jnp.asarray(unwrap(v)) for _, v in flat]
-        shapes = [v.shape for v in values]
+        flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
+        paths, values = [p for p, _ in flat[0]], [unwrap(v) for _, v in flat[0]]
+        for path, v in zip(paths, values, strict=True):
+            if getattr(jax.typeof(v), "vma", None):
+                raise ValueError(
+                    f"`clipax.metrics` got the `{field}` of the leaf at "
+                    f"{path_str(path)} split across devices (it varies over the "
+                    f"mesh axes {sorted(jax.typeof(v).vma)}, inside shard_map): its "
+                    "keys would count each device's share from layer 0. Read the "
+                    "state outside shard_map, as its `out_specs` assemble it."
+                )
+        shapes = [np.shape(v) for v in values]
         tensors[stat] = jnp.concatenate(
-            [_engine.replicated(v).reshape(-1) for v in values] or [jnp.zeros(0)]
+            [_engine.replicated(jnp.asarray(v)).reshape(-1) for v in values]
+            or [jnp.zeros(0)]
         )
     if "norm" in tensors and "threshold" in tensors:
         tensors |= _clip_facts(tensors["norm"], tensors["threshold"])
     if not tensors:
         return arrays, where
-    offsets = np.cumsum([0, *(int(np.prod(s)) for s in shapes)])
+    depths = getattr(state, "stacks", Stacks()).depths
     entries: list[tuple[str, int]] = []
     seen: dict[str, Any] = {}
-    for i, index, keys in layer_keys(paths, shapes):
+    for i, keys, flat_index in flat_keys(paths, shapes, depths):
         joined = SEPARATOR.join(keys) or "root"
         if seen.setdefault(joined, paths[i]) != paths[i]:
             raise ValueError(
@@ -165,10 +184,7 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
                 f"{SEPARATOR!r}; one key would hide the other. Rename a key so that "
                 f"no dict key holds {SEPARATOR!r}."
             )
-        flat_index = offsets[i] + (
-            np.ravel_multi_index(index, shapes[i]) if index else 0
-        )
-        entries.append((joined, int(flat_index)))
+        entries.append((joined, flat_index))
     for stat, vector in tensors.items():
         arrays.append(vector)
         for joined, flat_index in entries:
@@ -179,7 +195,7 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
 def _walk(node: Any, path: list[str], found: list[tuple[list[str], Any]]) -> None:
     """Every clipax state below `node`, with the path of names to it (chain
     indices, `named_chain` names, wrappers' names)."""
-    if node is None or hasattr(node, "dtype") or is_variable(node):
+    if node is None or hasattr(node, "dtype") or is_wrapper(node):
         return
     declared = _states.DECLARED.get(type(node))
     if declared is not None:

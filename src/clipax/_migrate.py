@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from clipax import _states
 from clipax._leaves import path_str
@@ -34,10 +33,10 @@ def _is_statistics(node: Any) -> bool:
 
 
 def _is_empty(node: Any) -> bool:
-    """None, MaskedNode, EmptyState, or a container without children."""
-    if node is None or isinstance(node, (optax.MaskedNode, optax.EmptyState)):
-        return True
-    return isinstance(node, (tuple, list, Mapping)) and len(node) == 0
+    """A node without children: None, MaskedNode, EmptyState, an empty
+    container, a static node (a clipax state's `stacks`)."""
+    treedef = jax.tree.structure(node)
+    return treedef.num_nodes == 1 and treedef.num_leaves == 0
 
 
 def _is_leaf(node: Any) -> bool:

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import chex
-import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _leaves, _states
+from clipax import _checks, _leaves, _states
 from clipax.tree import _norm as tree_norm
 
 
@@ -20,6 +19,7 @@ class ClipByNormState(NamedTuple):
 
     norms: chex.ArrayTree  # the updates' tree with a float32 scalar per leaf
     # (a vector, one per layer, for a stacked leaf)
+    stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
 @_checks.peer_names(
@@ -89,14 +89,7 @@ def clip_by_norm(
         leaves = checked(params)
         for leaf in leaves:
             leaf.within(axes)  # out of range: an error at init
-        return ClipByNormState(
-            norms=leaves.rebuild(
-                [
-                    jnp.zeros(leaf.layers, _engine.accum_dtype(leaf.x.dtype))
-                    for leaf in leaves
-                ]
-            )
-        )
+        return ClipByNormState(norms=leaves.full(0), stacks=leaves.stacks)
 
     def update_fn(
         updates: optax.Updates,
@@ -105,8 +98,8 @@ def clip_by_norm(
     ) -> tuple[optax.Updates, ClipByNormState]:
         del params
         leaves = checked(updates)
-        _leaves.check_state("clip_by_norm", leaves, state.norms)
+        _leaves.check_state("clip_by_norm", leaves, state.norms, state.stacks)
         clipped, peaks = tree_norm.clip_leaves(leaves, max_norm, axes)
-        return clipped, ClipByNormState(norms=leaves.rebuild(peaks))
+        return clipped, ClipByNormState(leaves.stats(peaks), state.stacks)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -30,6 +30,7 @@ class StableSpamState(NamedTuple):
     # (a vector, one per layer, for a stacked leaf): EMA of its largest |g|
     m_norm: chex.ArrayTree  # likewise: EMA of its norm after AdaClip
     v_norm: chex.ArrayTree  # likewise: EMA of that norm squared
+    stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
 def stable_spam(
@@ -125,11 +126,9 @@ def stable_spam(
     def init_fn(params: optax.Params) -> StableSpamState:
         leaves = checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
-        stats = [  # each its own arrays: a state may be donated
-            leaves.rebuild([jnp.zeros(leaf.layers, dtype) for leaf in leaves])
-            for _ in range(3)
-        ]
-        return StableSpamState(inner.init(params), jnp.zeros((), jnp.int32), *stats)
+        stats = [leaves.full(0, dtype) for _ in range(3)]
+        count = jnp.zeros((), jnp.int32)
+        return StableSpamState(inner.init(params), count, *stats, leaves.stacks)
 
     def update_fn(
         updates: optax.Updates,
@@ -139,7 +138,7 @@ def stable_spam(
     ) -> tuple[optax.Updates, StableSpamState]:
         leaves = checked(updates)
         m_max, m_norm, v_norm = (
-            _leaves.check_state("stable_spam", leaves, tree)
+            _leaves.check_state("stable_spam", leaves, tree, state.stacks)
             for tree in (state.m_max, state.m_norm, state.v_norm)
         )
         dtype = _engine.tree_accum_dtype(leaves.arrays)
@@ -197,7 +196,7 @@ def stable_spam(
             leaves.rebuild(out), inner_state, params, **extra_args
         )
         return new_updates, StableSpamState(
-            inner_state, t, *map(leaves.rebuild, (new_max, new_m, new_v))
+            inner_state, t, *map(leaves.stats, (new_max, new_m, new_v)), state.stacks
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

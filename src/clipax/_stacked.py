@@ -3,49 +3,153 @@
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 
 from clipax import _checks
-from clipax._leaves import LayerAxes, is_variable, path_keys, unwrap
+from clipax._leaves import (
+    LayerAxes,
+    is_named,
+    is_variable,
+    is_wrapper,
+    path_keys,
+    unwrap,
+)
+
+Entry = Any  # an int (leading layer axes) or a LayerAxes
 
 
 def _names(node: Any) -> tuple[Any, ...] | None:
     """A leaf's logical axis names: a Flax linen box's (`nn.LogicallyPartitioned`,
-    `nn.Partitioned`) or an NNX variable's (`out_sharding` metadata; `sharding`
-    before Flax 0.12); None where it has none."""
+    `nn.Partitioned`), an NNX variable's (`out_sharding` metadata; `sharding`
+    before Flax 0.12) or a haliax `NamedArray`'s; None where it has none."""
     if hasattr(node, "names") and hasattr(node, "unbox"):
         return tuple(node.names)
+    if is_named(node):
+        return tuple(node.axis_names)
     meta = node.get_metadata() if is_variable(node) else {}
     names = meta.get("out_sharding", meta.get("sharding"))
     return tuple(names) if isinstance(names, (tuple, list)) else None
 
 
-def _entry(positions: list[int]) -> int | LayerAxes:
+def _entry(positions: list[int]) -> Entry:
     """Leading axes as their count, others as `LayerAxes`."""
-    return (
-        len(positions)
-        if positions == list(range(len(positions)))
-        else LayerAxes(*positions)
-    )
+    if positions == list(range(len(positions))):
+        return len(positions)
+    return LayerAxes(*positions)
 
 
-def _fold(node: Any, keys: list[Any], root: bool = True) -> Any:
-    """`node`, a tree of leaf indices, with each leaf's entry (`keys[i][0]`)
-    for its index, and each subtree below the root whose leaves share their
-    entry and layers held once, by its root (`{"blocks": 1}`)."""
+def _axes(entry: Entry) -> tuple[int, ...]:
+    return entry.axes if isinstance(entry, LayerAxes) else tuple(range(entry))
+
+
+def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> Any:
+    """`node`, a tree of leaf indices, with each leaf's entry for its index,
+    and a subtree held once, by its root, where that root is where its
+    leaves' stack starts (`leaves[i]`: the entry, and its node's depth; None
+    for a leaf not stacked, whose entry 0 any subtree below the top holds)."""
     if isinstance(node, int):
-        return keys[node][0]
-    indices = jax.tree.leaves(node)
-    if not root and indices and len({keys[i] for i in indices}) == 1:
-        return keys[indices[0]][0]
+        return leaves[node][0]
+    found = {leaves[i] for i in jax.tree.leaves(node)}
+    if len(found) == 1:
+        ((entry, root),) = found
+        if root == depth or (root is None and depth):
+            return entry
     flat, treedef = jax.tree_util.tree_flatten_with_path(
         node, is_leaf=lambda x: x is not node
     )
-    folded = [_fold(child, keys, root=False) for _, child in flat]
+    folded = [_fold(child, leaves, depth + 1) for _, child in flat]
     return treedef.unflatten(folded)  # type: ignore[attr-defined]
+
+
+def _fits(shape: tuple[int, ...], entry: Entry, layers: tuple[int, ...]) -> bool:
+    """Whether a leaf of `shape` may hold `layers` at the axes of `entry`."""
+    axes = _axes(entry)
+    return all(a < len(shape) for a in axes) and (
+        tuple(shape[a] for a in axes) == layers
+    )
+
+
+def _scans(
+    keys: list[tuple[str, ...]],
+    names: list[tuple[Any, ...] | None],
+    shapes: list[tuple[int, ...]],
+    axis_name: str,
+    boundaries: set[tuple[str, ...]],
+) -> list[tuple[Entry, int | None]]:
+    """Each leaf's entry and the depth of its stack's root, read from the
+    positions of `axis_name` among its names (docs/stacked-layers.md).
+
+    A scan is a highest subtree whose leaves all hold the same layers at the
+    same axes: those with names carry `axis_name` there, those without fit
+    the shape; never above a haliax `Stacked` (`boundaries`). A leaf without
+    names in a scan needs a leaf beside it (in its module) whose names prove
+    its layer axes.
+
+    Raises:
+      ValueError: naming the leaves without names in a scan that none proves.
+    """
+    signature: list[tuple[Any, ...]] = []
+    for n, shape in zip(names, shapes, strict=True):
+        if n is None:
+            signature.append(("shape", shape))
+        else:
+            entry = _entry([i for i, a in enumerate(n) if a == axis_name])
+            signature.append(("named", entry, tuple(shape[a] for a in _axes(entry))))
+    under: dict[tuple[str, ...], set[tuple[Any, ...]]] = {}
+    for k, sig in zip(keys, signature, strict=True):
+        for end in range(len(k) + 1):
+            under.setdefault(k[:end], set()).add(sig)
+
+    def in_scan(node: tuple[str, ...], entry: Entry, layers: tuple[int, ...]) -> bool:
+        if any(b[: len(node)] == node and b != node for b in boundaries):
+            return False
+        return all(
+            (s[0] == "shape"
+            and _fits(s[1], entry, layers))
+            or s == ("named", entry, layers)
+            for s in under[node]
+        )
+
+    out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
+    scans: dict[tuple[str, ...], tuple[Entry, tuple[int, ...]]] = {}
+    for i, sig in enumerate(signature):
+        if sig[0] == "named" and sig[1] != 0:
+            root = next(  # below the top: a whole tree stacked is stacks
+                keys[i][:end]
+                for end in range(min(1, len(keys[i])), len(keys[i]) + 1)
+                if in_scan(keys[i][:end], sig[1], sig[2])
+            )
+            scans[root] = sig[1:]
+            out[i] = (sig[1], len(root))
+    unproven = []
+    for i, sig in enumerate(signature):
+        root = next((r for r in scans if keys[i][: len(r)] == r), None)
+        if sig[0] == "named" or root is None:
+            continue
+        entry, layers = scans[root]
+        beside = under.get(keys[i][:-1], set())
+        if ("named", entry, layers) in beside and len(keys[i]) > len(root):
+            out[i] = (entry, len(root))
+        else:
+            unproven.append(i)
+    if unproven:
+        where = "/".join(next(r for r in scans if keys[unproven[0]][: len(r)] == r))
+        listed = ", ".join("/".join(keys[i]) for i in unproven[:4])
+        raise ValueError(
+            f"`stacked_prefix` found the layers of {axis_name!r} stacked under "
+            f"{where or '<root>'!r}, but the leaves at {listed}"
+            + (f" (and {len(unproven) - 4} more)" if len(unproven) > 4 else "")
+            + " carry no logical axis names, and no leaf beside them proves their "
+            "layer axes: read as one tensor, each would be normed across all layers. "
+            "Annotate them (`nn.with_logical_partitioning` on their initializers, "
+            "e.g. a LayerNorm's `scale_init`), or give `path=` to say which leaves "
+            "are stacked."
+        )
+    return out
 
 
 def stacked_prefix(
@@ -56,19 +160,21 @@ def stacked_prefix(
     axes: int | tuple[int, ...] = 1,
 ) -> Any:
     """The `stacked=` prefix for a model's parameters: which axes of each leaf
-    index stacked layers.
+    index stacked layers, with each stack's entry where the stack starts.
 
     With `axis_name`, from the logical axis names of each leaf: a Flax linen
     box's (`nn.with_logical_partitioning`; `nn.scan(...,
     metadata_params={nn.PARTITION_NAME: axis_name})` inserts `axis_name` at
-    the scanned axis, which MaxText puts at 1) or an NNX variable's
-    (`sharding_names`); a leaf without names (a bias not annotated) takes
-    those of the annotated leaves beside it, where they agree. With `path`,
-    from a regular expression: a leaf whose `/`-joined key path matches it
-    (`re.search`) gets `axes` (an int: that many leading axes; a tuple: those
-    positions), others none. A subtree whose leaves share their layer axes
-    and counts holds them once, at its root; the prefix fits the unboxed
-    parameters and their updates (docs/stacked-layers.md).
+    the scanned axis, which MaxText puts at 1), an NNX variable's
+    (`sharding_names`) or a haliax `NamedArray`'s. A stack is a highest
+    subtree whose leaves all hold the same layers at the same axes, never
+    above a haliax `Stacked`; a leaf without names in it (a bias not
+    annotated) takes the axes its module's annotated leaves prove, and is an
+    error where none does. With `path`, from a regular expression: a leaf
+    whose `/`-joined key path matches it (`re.search`) gets `axes` (an int:
+    that many leading axes; a tuple: those positions), others none, and its
+    stack starts at the key where the match ends. The prefix fits the
+    unboxed parameters and their updates (docs/stacked-layers.md).
 
     Args:
       tree: the parameters (boxed, for `axis_name`), or the updates.
@@ -84,8 +190,9 @@ def stacked_prefix(
     Raises:
       ValueError: if not exactly one of `axis_name` and `path` is given, no
         leaf has the axis name (naming those found) or matches the path
-        (naming a few paths), `path` is not a regular expression, or `axes`
-        is not accepted.
+        (naming a few paths), a leaf without names sits in a stack unproven
+        (naming it and the fixes), `path` is not a regular expression, or
+        `axes` is not accepted.
 
     Example:
       >>> import jax.numpy as jnp
@@ -98,14 +205,18 @@ def stacked_prefix(
     """
     if (axis_name is None) == (path is None):
         raise ValueError("Give `axis_name` or `path` to `stacked_prefix`, one of them.")
+    boxed = lambda x: hasattr(x, "unbox") or is_wrapper(x)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)
+    keys = [tuple(path_keys(p)) for p, _ in flat]
+    shapes = [
+        tuple(np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)))
+        for _, x in flat
+    ]
     if axis_name is not None:
         if not isinstance(axis_name, str) or not axis_name:
             raise ValueError(
                 f"`axis_name` must be a logical axis name; got {axis_name!r}."
             )
-        flat, treedef = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: hasattr(x, "unbox") or is_variable(x)
-        )
         names = [_names(x) for _, x in flat]
         if not any(axis_name in n for n in names if n):
             found = sorted({str(a) for n in names if n for a in n})
@@ -114,23 +225,14 @@ def stacked_prefix(
                 f"No leaf of the tree has the logical axis name {axis_name!r}; the "
                 f"names found are {found or none + 'give `path`)'}."
             )
-        entries: list[Any] = [
-            None
-            if n is None
-            else _entry([i for i, a in enumerate(n) if a == axis_name])
-            for n in names
-        ]
-        beside: dict[tuple[str, ...], set[Any]] = {}
-        for (key_path, _), named in zip(flat, entries, strict=True):
-            if named is not None:
-                beside.setdefault(tuple(path_keys(key_path)[:-1]), set()).add(named)
-        for i, (key_path, _) in enumerate(flat):
-            if entries[i] is None:
-                found_here = beside.get(tuple(path_keys(key_path)[:-1]), set())
-                entries[i] = found_here.pop() if len(found_here) == 1 else 0
-        shapes = [
-            np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)) for _, x in flat
-        ]
+        hnn = sys.modules.get("haliax.nn")
+        boundaries = set()
+        if hnn is not None:
+            scan = lambda x: isinstance(x, hnn.Stacked)  # noqa: E731
+            for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]:
+                if scan(x):
+                    boundaries.add(tuple(path_keys(p)))
+        leaves = _scans(keys, names, shapes, axis_name, boundaries)
     else:
         if not isinstance(path, str):
             raise ValueError(f"`path` must be a regular expression; got {path!r}.")
@@ -143,28 +245,21 @@ def stacked_prefix(
         if isinstance(axes, tuple):
             if not axes:
                 raise ValueError("`axes` must be an int >= 0 or ints; got ().")
-            entry: Any = LayerAxes(*_checks.axes(axes) or ())
+            entry: Entry = LayerAxes(*_checks.axes(axes) or ())
         else:
             entry = _checks.integer("axes", axes, minimum=0)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        joined = ["/".join(path_keys(p)) for p, _ in flat]
-        entries = [entry if pattern.search(j) else 0 for j in joined]
-        if entries and all(e == 0 for e in entries) and entry != 0:
+        leaves = [(0, None)] * len(flat)
+        for i, k in enumerate(keys):
+            match = pattern.search("/".join(k))
+            if match is not None and entry != 0:
+                # The stack starts at the key where the match ends.
+                starts = np.cumsum([0, *(len(key) + 1 for key in k)])
+                leaves[i] = (entry, int(np.sum(starts[:-1] < match.end())))
+        if flat and all(root is None for _, root in leaves) and entry != 0:
+            joined = ["/".join(k) for k in keys]
             raise ValueError(
                 f"`path`={path!r} matches no leaf of the tree; its paths include "
                 f"{joined[:4]}."
             )
-        shapes = [np.shape(x) for _, x in flat]
-    keys = [
-        (
-            e,
-            tuple(
-                s[a]
-                for a in (e.axes if isinstance(e, LayerAxes) else range(e))
-                if -len(s) <= a < len(s)
-            ),
-        )
-        for e, s in zip(entries, shapes, strict=True)
-    ]
     indices = treedef.unflatten(range(len(flat)))  # type: ignore[attr-defined]
-    return _fold(indices, keys)
+    return _fold(indices, leaves)

@@ -47,8 +47,14 @@ class Declared:
         return tuple(self.cls._fields)  # type: ignore[attr-defined]
 
     def is_restored(self, node: Mapping[Any, Any]) -> bool:
-        """Whether `node` is this class's state with its class gone."""
-        return {str(key) for key in node} == set(self.fields)
+        """Whether `node` is this class's state with its class gone (a static
+        field, which holds no array, may be gone too)."""
+        static = {
+            f
+            for f, v in getattr(self.cls, "_field_defaults", {}).items()
+            if not jax.tree.leaves(v)
+        }
+        return set(self.fields) - static <= {str(k) for k in node} <= set(self.fields)
 
 
 # Filled as clipax's modules are imported: each state class declares itself.

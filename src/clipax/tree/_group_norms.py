@@ -35,9 +35,10 @@ def group_norms(
     `layers/10/w`; leaves under none are left out). Each group's norm is taken by
     clipax's exact engine, so the groups' norms combine to the global norm. With
     `stacked`, each layer of a stacked leaf is a leaf of its own, its index a
-    path entry where the stacked subtree starts (`layers/0/attn/kernel`), and
-    its norm a per-tensor norm (docs/stacked-layers.md). The result is a flat
-    dict from `"<group>/norm"` to a scalar, jittable, ready to merge with
+    path entry right after its `stacked=` entry's node (`layers/0/attn/kernel`
+    for `{"layers": 1}`), and its norm a per-tensor norm
+    (docs/stacked-layers.md). The result is a `clipax.Metrics`, a flat
+    mapping from `"<group>/norm"` to a scalar, jittable, ready to merge with
     `clipax.metrics` (docs/skipping-and-logging.md).
 
     Args:
@@ -52,8 +53,8 @@ def group_norms(
       specs: as for `clipax.tree.global_norm`.
 
     Returns:
-      A dict from key to a float32 scalar (float64 for float64 leaves), in the
-      order of the leaves.
+      A `clipax.Metrics` from key to a float32 scalar (float64 for float64
+      leaves), in the order of the leaves.
 
     Raises:
       ValueError: if an argument is not accepted, both `depth` and `prefixes`
@@ -102,12 +103,13 @@ def group_norms(
                 n = _engine.gathered(n, dim, leaf.dims[axis])
         vectors.append(_engine.replicated(n).reshape(-1))
         layers.append(n.shape)
-    members = _leaves.layer_keys([leaf.path for leaf in leaves], layers)
+    members = _leaves.flat_keys(
+        [leaf.path for leaf in leaves], layers, leaves.stacks.depths
+    )
     # Each group's members as places in `values` (every layer norm, then a 0).
-    offsets = np.cumsum([0, *(v.size for v in vectors)])
     columns: dict[str, list[int]] = {}
     entries: dict[str, tuple[tuple[str, ...], int]] = {}  # key entries, first leaf
-    for i, index, keys in members:
+    for i, keys, place in members:
         if prefixes is None:
             group = tuple(keys[: depth or 1])
         else:
@@ -139,11 +141,10 @@ def group_norms(
                 f"{SEPARATOR!r} reads as two path entries, and one norm would hide the "
                 f"other. Rename the key so that it holds no {SEPARATOR!r}."
             )
-        place = np.ravel_multi_index(index or (), layers[i])
-        columns.setdefault(name, []).append(offsets[i] + place)
+        columns.setdefault(name, []).append(place)
     for q in wanted:
-        if not any(tuple(keys[: len(q)]) == q for _, _, keys in members):
-            tops = sorted({keys[0] for _, _, keys in members if keys})
+        if not any(tuple(keys[: len(q)]) == q for _, keys, _ in members):
+            tops = sorted({keys[0] for _, keys, _ in members if keys})
             raise ValueError(
                 f"`prefixes` entry {SEPARATOR.join(q)!r} matches no leaf of the tree, "
                 f"whose paths start with {tops}: a logger would never see its norm."
@@ -151,7 +152,8 @@ def group_norms(
     # The groups as columns, zeros below (they change no p-norm), then one
     # exact norm of every column.
     table = np.full(
-        (max(map(len, columns.values()), default=0), len(columns)), offsets[-1]
+        (max(map(len, columns.values()), default=0), len(columns)),
+        sum(v.size for v in vectors),
     )
     for g, column in enumerate(columns.values()):
         table[: len(column), g] = column

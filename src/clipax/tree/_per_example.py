@@ -165,4 +165,4 @@ def per_example_layer_norm_clip(
         scales, num_clipped = _scales(n, jnp.asarray(clip, n.dtype) * share**0.5)
         summed.append(_weighted_sum(scales, jnp.asarray(leaf.x), leaf.layer_axes))
         counts.append(num_clipped)
-    return leaves.rebuild(summed), leaves.rebuild(counts)
+    return leaves.rebuild(summed), leaves.stats(counts)
