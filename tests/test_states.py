@@ -184,3 +184,53 @@ def test_children_is_one_level_that_rebuilds_the_node() -> None:
     inner, _ = _states.children(state[1])
     assert [_states.key_name(key) for key, _ in inner] == ["count", "mu", "nu"]
     assert _states.children(jnp.ones(2))[0] == []
+
+
+# Every rule's default state saves and restores with orbax.
+
+FACTORIES = {
+    "adagc": lambda: clipax.adagc(),
+    "adaptive_grad_clip": lambda: clipax.adaptive_grad_clip(0.1),
+    "autoclip": lambda: clipax.autoclip(),
+    "clip": lambda: clipax.clip(1.0),
+    "clip_by_block_rms": lambda: clipax.clip_by_block_rms(1.0),
+    "clip_by_global_norm": lambda: clipax.clip_by_global_norm(1.0),
+    "clip_by_norm": lambda: clipax.clip_by_norm(1.0),
+    "clip_by_value": lambda: clipax.clip_by_value(-1.0, 1.0),
+    "skip_spikes": lambda: clipax.skip_spikes(optax.adam(1e-3)),
+    "stable_spam": lambda: clipax.stable_spam(optax.adam(1e-3)),
+    "zclip": lambda: clipax.zclip(),
+}
+NOT_TRANSFORMATIONS = {"metrics", "migrate_state", "nonfinite_errors", "stacked_prefix"}
+
+
+def test_the_checkpoint_table_holds_every_transformation() -> None:
+    factories = {
+        name
+        for name in clipax.__all__
+        if callable(getattr(clipax, name))
+        and not isinstance(getattr(clipax, name), type)
+        and name not in NOT_TRANSFORMATIONS
+    }
+    assert factories == set(FACTORIES)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_every_default_state_saves_and_restores_with_orbax(
+    name: str, tmp_path: Any
+) -> None:
+    import orbax.checkpoint as ocp
+
+    params = {"w": jnp.ones((2, 3)), "b": jnp.full(3, 0.5)}
+    tx = optax.chain(FACTORIES[name](), optax.sgd(0.1))
+    state = tx.init(params)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    chex.assert_trees_all_equal(checkpointer.restore(tmp_path / "ckpt", abstract), state)
+    # Without a target: plain dicts and lists, resumed through `migrate_state`.
+    restored = checkpointer.restore(tmp_path / "ckpt")
+    resumed = clipax.migrate_state(restored, tx.init(params))
+    chex.assert_trees_all_equal(resumed, state)
+    jax.jit(tx.update)(params, resumed, params)

@@ -21,7 +21,8 @@ class SkipSpikesState(NamedTuple):
 
     `dtype` below is float32, or float64 when an update leaf is float64. The
     statistics (`norm_*`, `loss_*`) are those the next step is tested
-    against; a window is `[window]` long, or `[0]` without one.
+    against; a window is `[window]` long, or `[1]` (unused) without one: a
+    checkpointer refuses zero-size arrays.
     """
 
     inner_state: optax.OptState  # the wrapped transformation's state, as it was
@@ -168,7 +169,7 @@ def skip_spikes(
         }
         fields["loss"] = jnp.full((), jnp.nan, dtype)
         for window in ("norm_window", "loss_window"):
-            fields[window] = jnp.zeros((size or 0,), dtype)
+            fields[window] = jnp.zeros((size or 1,), dtype)
         return SkipSpikesState(inner.init(params), **fields)
 
     def update_fn(
