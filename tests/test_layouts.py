@@ -365,6 +365,47 @@ def test_an_axis_name_no_leaf_has_names_those_found() -> None:
         clipax.stacked_prefix(nn.unbox(boxed), axis_name="layers")
 
 
+class _PlainNormBlock(nn.Module):
+    """A scanned block whose LayerNorm carries no logical names."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("a", "b"))
+        return nn.LayerNorm()(nn.Dense(4, kernel_init=init)(x)), None
+
+
+class _PlainNormModel(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Dense(4, name="embed")(x)
+        blocks = nn.scan(
+            _PlainNormBlock,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=L,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        return blocks(name="blocks")(x, None)[0]
+
+
+def test_a_leaf_without_names_in_a_scan_is_never_silently_unstacked() -> None:
+    boxed = _PlainNormModel().init(jax.random.key(0), jnp.ones((2, 5)))
+    with pytest.raises(
+        ValueError,
+        match=r"under 'params/blocks'.*LayerNorm_0/bias, params/blocks/LayerNorm_0/"
+        r"scale carry no logical axis names.*Annotate them.*give `path=`",
+    ):
+        clipax.stacked_prefix(boxed, axis_name="layers")
+    # The fix `path=`: every leaf under the scanned module is stacked.
+    params = nn.unbox(boxed)
+    by_path = clipax.stacked_prefix(params, path="^params/blocks/")
+    assert by_path == {"params": {"blocks": 1, "embed": 0}}
+    scale = params["params"]["blocks"]["LayerNorm_0"]["scale"]
+    norms = clipax.clip_by_norm(1.0, stacked=by_path).init(params).norms
+    assert norms["params"]["blocks"]["LayerNorm_0"]["scale"].shape == (L,)
+    assert scale.shape == (L, 4)
+
+
 def test_a_path_that_matches_nothing_names_a_few_paths() -> None:
     with pytest.raises(
         ValueError, match=r"`path`='\^blocks/' matches no leaf.*'decoder/layers"
@@ -462,7 +503,9 @@ def test_two_stacks_that_are_a_parents_only_children_stay_two() -> None:
     for part in ("encoder", "decoder"):
         layers = grads["params"][part]["layers"]
         for i in range(3):
-            want = np.sqrt(sum(np.sum(np.square(x[i])) for x in jax.tree.leaves(layers)))
+            want = np.sqrt(
+                sum(np.sum(np.square(x[i])) for x in jax.tree.leaves(layers))
+            )
             np.testing.assert_allclose(
                 norms[f"params/{part}/layers/{i}/norm"], want, rtol=1e-6
             )

@@ -242,3 +242,122 @@ def test_two_leaves_with_one_key_raise_naming_both(
     _, state = tx.update(tree, tx.init(tree))
     with pytest.raises(ValueError, match=r"\['a'\]\['b'\] and \['a/b'\]"):
         clipax.metrics(state)
+
+
+# Logs stacked over steps, over a list of steps, and made under vmap: each key
+# gives the series over the leading axes.
+
+STACKED_GRADS = {"a": jnp.ones(3), "blocks": {"w": jnp.ones((2, 4))}}
+
+
+def _logging_step(grads: Any, state: Any, tx: Any) -> tuple[Any, Any]:
+    _, state = tx.update(grads, state)
+    norms = clipax.tree.group_norms(grads, depth=2, stacked={"a": 0, "blocks": 1})
+    return state, clipax.metrics(state) | norms
+
+
+def _series_tx() -> optax.GradientTransformation:
+    return optax.chain(
+        clipax.adagc(warmup_steps=1, stacked={"a": 0, "blocks": 1}),
+        clipax.clip_by_global_norm(1.0),
+    )
+
+
+def _grads_at(step: Any) -> Any:
+    scale = 1.0 + step
+    return {
+        "a": STACKED_GRADS["a"] * scale,
+        "blocks": {
+            "w": STACKED_GRADS["blocks"]["w"] * jnp.array([[1.0], [3.0]]) * scale
+        },
+    }
+
+
+def _want(keys: Any, steps: list[float]) -> dict[str, np.ndarray]:
+    """Each key's series, step by step, as single steps log it."""
+    tx = _series_tx()
+    state, out = tx.init(STACKED_GRADS), {}
+    for step in steps:
+        state, logs = _logging_step(_grads_at(step), state, tx)
+        for key in keys:
+            out.setdefault(key, []).append(float(logs[key]))
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def test_logs_stacked_by_lax_scan_are_series() -> None:
+    tx = _series_tx()
+
+    def body(state: Any, step: jax.Array) -> tuple[Any, Any]:
+        return _logging_step(_grads_at(step), state, tx)
+
+    _, logs = jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(5.0)))(
+        tx.init(STACKED_GRADS)
+    )
+    want = _want(list(logs), [0, 1, 2, 3, 4])
+    assert "adagc/blocks/1/w/norm" in logs and "blocks/1/norm" in logs
+    for key, series in want.items():
+        np.testing.assert_allclose(logs[key], series, rtol=1e-6, err_msg=key)
+
+
+def test_logs_of_a_list_of_steps_stacked_leaf_by_leaf_are_series() -> None:
+    tx = _series_tx()
+    state, steps = tx.init(STACKED_GRADS), []
+    for step in range(4):
+        state, logs = jax.jit(_logging_step, static_argnums=2)(
+            _grads_at(step), state, tx
+        )
+        steps.append(logs)
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *steps)
+    for key, series in _want(list(stacked), [0, 1, 2, 3]).items():
+        np.testing.assert_allclose(stacked[key], series, rtol=1e-6, err_msg=key)
+
+
+def test_logs_made_under_vmap_are_one_series_per_run() -> None:
+    tx = _series_tx()
+    runs = jnp.array([0.0, 2.0, 5.0])
+
+    def run(step: jax.Array) -> Any:
+        return _logging_step(_grads_at(step), tx.init(STACKED_GRADS), tx)[1]
+
+    logs = jax.jit(jax.vmap(run))(runs)
+    for key in logs:
+        want = [float(_want([key], [float(r)])[key][0]) for r in runs]
+        np.testing.assert_allclose(logs[key], want, rtol=1e-6, err_msg=key)
+        assert np.shape(logs[key]) == (3,)
+
+
+def test_a_per_layer_state_split_across_devices_is_refused_in_shard_map() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("d",))
+    split = jax.sharding.NamedSharding(mesh, P("d"))
+    grads = {"w": jax.device_put(jnp.arange(24.0).reshape(4, 6), split)}
+    specs = {"w": P("d")}
+    tx = clipax.clip_by_norm(1.0, stacked=1, specs=specs)
+    state = tx.init(grads)
+    state = state._replace(norms={"w": jax.device_put(state.norms["w"], split)})
+    state_specs = state._replace(norms={"w": P("d")})
+
+    def step(g: Any, s: Any) -> Any:
+        _, s = tx.update(g, s)
+        return clipax.metrics(s)
+
+    inside = jax.shard_map(
+        step, mesh=mesh, in_specs=(specs, state_specs), out_specs=P()
+    )
+    with pytest.raises(ValueError, match=r"`norms` of the leaf at \['w'\] split.*'d'"):
+        jax.jit(inside)(grads, state)
+    # Outside shard_map, as `out_specs` assemble it, it reads every layer.
+    update = jax.shard_map(
+        tx.update,
+        mesh=mesh,
+        in_specs=(specs, state_specs),
+        out_specs=(specs, state_specs),
+    )
+    _, state = jax.jit(update)(grads, state)
+    logs = clipax.metrics(state)
+    np.testing.assert_allclose(
+        [logs[f"clip_by_norm/w/{i}/norm"] for i in range(4)],
+        np.linalg.norm(np.arange(24.0).reshape(4, 6), axis=1),
+        rtol=1e-6,
+    )

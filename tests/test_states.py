@@ -228,7 +228,9 @@ def test_every_default_state_saves_and_restores_with_orbax(
     checkpointer.save(tmp_path / "ckpt", state)
     checkpointer.wait_until_finished()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    chex.assert_trees_all_equal(checkpointer.restore(tmp_path / "ckpt", abstract), state)
+    chex.assert_trees_all_equal(
+        checkpointer.restore(tmp_path / "ckpt", abstract), state
+    )
     # Without a target: plain dicts and lists, resumed through `migrate_state`.
     restored = checkpointer.restore(tmp_path / "ckpt")
     resumed = clipax.migrate_state(restored, tx.init(params))

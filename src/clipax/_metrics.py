@@ -123,6 +123,14 @@ def _clip_facts(norm: Any, threshold: Any) -> dict[str, Any]:
     }
 
 
+def _varying(x: Any) -> list[str]:
+    """The manual mesh axes `x` varies over inside `shard_map` (`vma`; JAX
+    0.10 calls it `mat.varying`)."""
+    aval = jax.typeof(x)
+    axes = getattr(getattr(aval, "mat", None), "varying", getattr(aval, "vma", ()))
+    return sorted(axes or ())
+
+
 def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict]:
     """One clipax state's statistics as arrays, and each key's place in them:
     its 0-d fields, and per-tensor fields as one vector each (every tensor's
@@ -155,13 +163,13 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
         flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
         paths, values = [p for p, _ in flat[0]], [unwrap(v) for _, v in flat[0]]
         for path, v in zip(paths, values, strict=True):
-            if getattr(jax.typeof(v), "vma", None):
+            if varying := _varying(v):
                 raise ValueError(
                     f"`clipax.metrics` got the `{field}` of the leaf at "
                     f"{path_str(path)} split across devices (it varies over the "
-                    f"mesh axes {sorted(jax.typeof(v).vma)}, inside shard_map): its "
-                    "keys would count each device's share from layer 0. Read the "
-                    "state outside shard_map, as its `out_specs` assemble it."
+                    f"mesh axes {varying}, inside shard_map): its keys would count "
+                    "each device's share from layer 0. Read the state outside "
+                    "shard_map, as its `out_specs` assemble it."
                 )
         shapes = [np.shape(v) for v in values]
         tensors[stat] = jnp.concatenate(
