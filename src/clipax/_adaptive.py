@@ -79,6 +79,7 @@ def global_rule(
         del params
         leaves = _leaves.leaves(updates, fn_name, specs=specs, axis_name=axis_name)
         dtype = state.norm.dtype
+        same_shapes(fn_name, state._asdict(), init(dtype)._asdict())
         norm = _engine.global_norm(leaves, p).astype(dtype)
         threshold, stepped = rule(state, norm)
         finite = jnp.isfinite(norm)
@@ -91,6 +92,32 @@ def global_rule(
         return leaves.rebuild(clipped), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+# The arguments that set a rule's state shapes.
+SHAPED_BY = {
+    "autoclip": "`history`",
+    "zclip": "`window` (or `warmup_steps`, without one)",
+    "skip_spikes": "`window`",
+}
+
+
+def same_shapes(fn_name: str, state: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """A state's fields shaped as `fresh`'s, the state this configuration
+    starts from.
+
+    Raises:
+      ValueError: naming the field, if a state built under another `window`
+        or `history` is given.
+    """
+    for field, want in fresh.items():
+        if np.shape(state[field]) != np.shape(want):
+            raise ValueError(
+                f"`{fn_name}` got a state whose `{field}` has shape "
+                f"{np.shape(state[field])}, where its configuration needs "
+                f"{np.shape(want)}: a state built under another "
+                f"{SHAPED_BY[fn_name]}. `init` it again with this configuration."
+            )
 
 
 # A rolling window: the last `len(buffer)` of the `count` values recorded.

@@ -181,6 +181,9 @@ def skip_spikes(
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipSpikesState]:
         dtype = state.norm.dtype
+        window = jnp.zeros((size or 1,), dtype)
+        fresh = {"norm_window": window, "loss_window": window}
+        _adaptive.same_shapes("skip_spikes", state._asdict(), fresh)
         leaves = _leaves.leaves(updates, "skip_spikes", specs=specs, axis_name=names)
         values = {"norm": _engine.global_norm(leaves, 2.0).astype(dtype)}
         if loss is not None:

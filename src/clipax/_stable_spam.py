@@ -186,11 +186,11 @@ def stable_spam(
             factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
             out.append((g * leaf.broadcast(factor)).astype(leaf.x.dtype))
         inner_state = state.inner_state
-        if reset_every is not None:  # Stable-SPAM's momentum reset
-            fresh = inner.init(updates if params is None else params)
-            reset = t % reset_every == 0
-            inner_state = jax.tree.map(
-                lambda f, o: jnp.where(reset, f, o), fresh, inner_state
+        if reset_every is not None:  # Stable-SPAM's momentum reset, only then
+            inner_state = jax.lax.cond(
+                t % reset_every == 0,
+                lambda: inner.init(updates if params is None else params),
+                lambda: inner_state,
             )
         new_updates, inner_state = inner.update(
             leaves.rebuild(out), inner_state, params, **extra_args

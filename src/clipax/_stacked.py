@@ -108,8 +108,7 @@ def _scans(
         if any(b[: len(node)] == node and b != node for b in boundaries):
             return False
         return all(
-            (s[0] == "shape"
-            and _fits(s[1], entry, layers))
+            (s[0] == "shape" and _fits(s[1], entry, layers))
             or s == ("named", entry, layers)
             for s in under[node]
         )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +44,8 @@ def clip_by_value(
 
     Raises:
       ValueError: at construction, if a bound is NaN or `min_value > max_value`.
-      TypeError: at construction, if a bound is not a real number or array, an argument
-        is given under two of its names (clipax's and a peer's), or `name` is not None,
-        a bool or a string.
+      TypeError: at construction, if a bound is not a real number or array, or
+        an argument is given under two of its names (clipax's and a peer's).
 
     Example:
       >>> import jax.numpy as jnp
@@ -93,10 +91,9 @@ def clip(
 
     Raises:
       ValueError: at construction, if `max_delta` is negative or NaN.
-      TypeError: at construction, if `max_delta` is not a real number, a NumPy or JAX
-        scalar or array, or a traced value (a list, say); if an argument is given under
-        two of its names (clipax's and a peer's); or if `foreach` is not None, a bool or
-        a string.
+      TypeError: at construction, if `max_delta` is not a real number, a NumPy
+        or JAX scalar or array, or a traced value (a list, say); or if an
+        argument is given under two of its names (clipax's and a peer's).
 
     Example:
       >>> import jax.numpy as jnp
@@ -109,26 +106,24 @@ def clip(
     del foreach  # means nothing in JAX
     if _checks.is_data(max_delta):  # <= 0 zeroes every update; NaN gives NaN
         _checks.jax_number("max_delta", max_delta, MAX_DELTA_ACCEPTED, scalar=False)
-        bound = jnp.maximum(max_delta, 0)
-        signed = jnp.promote_types(bound.dtype, jnp.int8)
-        return clip_by_value(-bound.astype(signed), bound)
-    arrays = (np.ndarray, np.generic, jax.Array)
-    if max_delta is not None and not isinstance(max_delta, (numbers.Real, *arrays)):
-        raise TypeError(  # a list, say: `-max_delta` would fail naming nothing
-            f"`max_delta` must be {MAX_DELTA_ACCEPTED}; got "
-            f"{_checks.short_repr(max_delta)} of type {type(max_delta).__name__}."
-        )
-    delta = _checks.real_array("max_delta", max_delta, MAX_DELTA_ACCEPTED)
-    if not (delta >= 0).all():  # also catches NaN
-        raise ValueError(f"`max_delta` must be >= 0 and not NaN; got {max_delta!r}.")
-    return clip_by_value(_negated(max_delta), max_delta)
+        max_delta = jnp.maximum(max_delta, 0)
+    else:
+        arrays = (np.ndarray, np.generic, jax.Array)
+        if max_delta is not None and not isinstance(max_delta, (numbers.Real, *arrays)):
+            raise TypeError(  # a list, say
+                f"`max_delta` must be {MAX_DELTA_ACCEPTED}; got "
+                f"{_checks.short_repr(max_delta)} of type {type(max_delta).__name__}."
+            )
+        delta = _checks.real_array("max_delta", max_delta, MAX_DELTA_ACCEPTED)
+        if not (delta >= 0).all():  # also catches NaN
+            raise ValueError(
+                f"`max_delta` must be >= 0 and not NaN; got {max_delta!r}."
+            )
 
+    def clip(updates: optax.Updates, params: optax.Params | None) -> optax.Updates:
+        del params
+        # The lower bound is -max_delta in each leaf's dtype: a bound's own
+        # dtype may not hold it (an unsigned or a uint32 with x64 off).
+        return tree_value.clip_leaves(updates, None, max_delta)
 
-def _negated(value: Any) -> Any:
-    """`-value` for a concrete `value` >= 0, exactly: an unsigned integer is
-    negated in a signed dtype (NumPy and JAX wrap `-np.uint8(3)` to 253)."""
-    array = np.asarray(value)
-    if array.dtype.kind != "u":
-        return -value
-    fits = array.max(initial=0) <= np.iinfo(np.int64).max
-    return -array.astype(np.int64 if fits else np.float64)
+    return optax.stateless(clip)

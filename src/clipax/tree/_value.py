@@ -124,9 +124,10 @@ def clip_by_value(
 
 
 def clip_leaves(
-    tree: chex.ArrayTree, min_value: ArrayLike, max_value: ArrayLike
+    tree: chex.ArrayTree, min_value: ArrayLike | None, max_value: ArrayLike
 ) -> chex.ArrayTree:
-    """`clip_by_value` of `tree`, with checked bounds."""
+    """`clip_by_value` of `tree`, with checked bounds; a None `min_value` is
+    `-max_value` (>= 0), negated in each leaf's dtype, where it is exact."""
     leaves = _leaves.leaves(tree, "clip_by_value", kind="value")
     shapes = (np.shape(min_value), np.shape(max_value))
     out = []
@@ -143,7 +144,11 @@ def clip_leaves(
             )
         dtype = jax.dtypes.canonicalize_dtype(x.dtype)  # as JAX holds the leaf
         where = _leaves.path_str(path)
-        low = _bound("min_value", min_value, where, dtype)
+        low = (
+            None if min_value is None else _bound("min_value", min_value, where, dtype)
+        )
         high = _bound("max_value", max_value, where, dtype)
+        if min_value is None and not jnp.issubdtype(dtype, jnp.unsignedinteger):
+            low = -high  # exact: |min| >= max in a signed dtype
         out.append(jnp.clip(jnp.asarray(x), low, high).astype(dtype))
     return leaves.rebuild(out)
