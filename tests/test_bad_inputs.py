@@ -599,6 +599,27 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`path` must be a regular expression; got 'blocks/\['",
     ),
     (
+        "stacked_prefix axes empty",
+        lambda t: clipax.stacked_prefix(t, path="w", axes=()),
+        ValueError,
+        r"`axes` must be an int >= 0; got \(\)",
+    ),
+    (
+        "stacked_prefix axis_name not a name",
+        lambda t: clipax.stacked_prefix(t, axis_name=""),
+        ValueError,
+        r"`axis_name` must be a logical axis name; got ''",
+    ),
+    (
+        "stacked before another stacking",
+        lambda t: clipax.clip_by_norm(1.0, stacked={"m": {"w": 1}}).update(
+            {"m": {"w": t["w"]}},
+            clipax.clip_by_norm(1.0, stacked={"m": 1}).init({"m": {"w": t["w"]}}),
+        ),
+        ValueError,
+        r"initialised with another `stacked=`",
+    ),
+    (
         "global_norm nonfinite unknown",
         lambda t: clipax.tree.global_norm(t, nonfinite="zero"),
         ValueError,

@@ -138,12 +138,7 @@ def adagc(
     alpha = _checks.unit("alpha", alpha)
     warmup = _checks.integer("warmup_steps", warmup_steps, minimum=0)
     max_norm = _checks.threshold("max_norm", max_norm)
-    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-
-    def checked(tree: optax.Params) -> _leaves.Leaves:
-        return _leaves.leaves(
-            tree, "adagc", stacked=stacked, specs=specs, axis_name=names
-        )
+    checked = _leaves.reader("adagc", stacked=stacked, specs=specs, axis_name=axis_name)
 
     def init_fn(params: optax.Params) -> AdaGCState:
         leaves = checked(params)
@@ -165,14 +160,7 @@ def adagc(
         emas = _leaves.check_state("adagc", leaves, state.ema, state.stacks)
         thresholds = _leaves.check_state("adagc", leaves, state.thresholds)
         dtype = state.norm.dtype
-        norms = [
-            n.astype(dtype).reshape(leaf.layers)
-            for leaf, n in zip(
-                leaves,
-                _engine.norms(leaves, [leaf.inner for leaf in leaves]),
-                strict=True,
-            )
-        ]
+        norms = [n.astype(dtype) for n in _engine.layer_norms(leaves)]
         total, finite = _engine.total_norm(
             norms, [leaf.split(leaf.layer_axes) for leaf in leaves]
         )

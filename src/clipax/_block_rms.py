@@ -56,8 +56,7 @@ def clip_by_block_rms(
     """
     threshold = _checks.threshold("threshold", threshold)
 
-    def checked(tree: optax.Updates) -> _leaves.Leaves:
-        return _leaves.leaves(tree, "clip_by_block_rms", stacked=stacked)
+    checked = _leaves.reader("clip_by_block_rms", stacked=stacked)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         checked(params)

@@ -537,10 +537,7 @@ def norms(
         return [_root(t, p) for t in sums(p)]
     if p > 2:  # rare orders: each slice's peak, then one sum scaled by it
         peaks = sums(math.inf)
-        scales = [
-            pow2_scale(jnp.where(jnp.isfinite(m) & (m > 0), m, jnp.ones_like(m)))
-            for m in peaks
-        ]
+        scales = [peak_scale(m) for m in peaks]
         totals = sums(p, scales)
         return [
             _from_peak(safe_root(t, p) / s, m)
@@ -562,6 +559,20 @@ def norms(
     return [safe_root(t, p) / s for t, s in zip(totals, scales, strict=True)]
 
 
+def layer_norms(
+    items: Sequence[Leaf], p: float = 2.0, *, exact: bool = False
+) -> list[jax.Array]:
+    """Each leaf's p-norm per layer (of its inner axes), shaped as its layers."""
+    reduced = norms(items, [leaf.inner for leaf in items], p, exact=exact)
+    return [n.reshape(leaf.layers) for leaf, n in zip(items, reduced, strict=True)]
+
+
+def peak_scale(peak: jax.Array) -> jax.Array:
+    """`pow2_scale` of `peak` where it is finite and positive, else 1."""
+    usable = jnp.isfinite(peak) & (peak > 0)
+    return pow2_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
+
+
 def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
     """The p-norm of `values` (>= 0) along axis 0, scaled by `pow2_scale` of
     the largest entry so that it neither overflows nor underflows where the
@@ -571,8 +582,7 @@ def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
     peak = jnp.max(values, axis=0)
     if p == math.inf:
         return peak
-    usable = jnp.isfinite(peak) & (peak > 0)
-    scale = pow2_scale(jnp.where(usable, peak, jnp.ones_like(peak)))
+    scale = peak_scale(peak)
     values, factor = _scale_barrier(values, scale)
     total = safe_root(jnp.sum(powers(values * factor, p), axis=0), p) / scale
     return jnp.where(jnp.isfinite(peak), total, jnp.sum(values, axis=0))
@@ -597,7 +607,7 @@ def total_norm(
     peak = pmax_all(jnp.max(jnp.stack([jnp.max(v, initial=0.0) for v in parts])), axes)
     broken = jnp.sum(jnp.stack([jnp.sum(~jnp.isfinite(v)) for v in parts]))
     broken = pmax_all(broken, axes)
-    scale = pow2_scale(jnp.where(jnp.isfinite(peak) & (peak > 0), peak, 1.0))
+    scale = peak_scale(peak)
     sums = complete([jnp.sum(jnp.square(v * scale)) for v in parts], axes)
     total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0

@@ -12,10 +12,11 @@ None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ import optax
 from jax.sharding import PartitionSpec
 from numpy.lib.array_utils import normalize_axis_tuple
 
+from clipax import _checks
 from clipax._checks import short_repr
 
 KeyPath = tuple[Any, ...]
@@ -345,6 +347,17 @@ def leaves(
     if specs is not None or axis_name:
         items = _place(specs, axis_name, tree, items)
     return Leaves(items, treedef)
+
+
+def reader(
+    fn_name: str, *, stacked: Any = None, specs: Any = None, axis_name: Any = None
+) -> Callable[..., Leaves]:
+    """`leaves` with one rule's arguments, `axis_name` checked (against
+    `stacked`) once, where the rule is made."""
+    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
+    return functools.partial(
+        leaves, fn_name=fn_name, stacked=stacked, specs=specs, axis_name=names
+    )
 
 
 def entries(

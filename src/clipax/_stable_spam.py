@@ -115,13 +115,10 @@ def stable_spam(
     eps = _checks.number("eps", eps, "a finite real number >= 0", low=0, high_open=True)
     if reset_every is not None:
         reset_every = _checks.integer("reset_every", reset_every)
-    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
+    checked = _leaves.reader(
+        "stable_spam", stacked=stacked, specs=specs, axis_name=axis_name
+    )
     inner = optax.with_extra_args_support(inner)
-
-    def checked(tree: optax.Params) -> _leaves.Leaves:
-        return _leaves.leaves(
-            tree, "stable_spam", stacked=stacked, specs=specs, axis_name=names
-        )
 
     def init_fn(params: optax.Params) -> StableSpamState:
         leaves = checked(params)
@@ -153,38 +150,38 @@ def stable_spam(
             return jnp.where(where, old + (1 - gamma) * (new - old), old)
 
         # AdaClip: entries above the EMA of the largest |g| scaled down to it.
-        inner_axes = [leaf.inner for leaf in leaves]
-        peaks = _engine.norms(leaves, inner_axes, math.inf)
-        clipped, new_max = [], []
-        for leaf, peak, old in zip(leaves, peaks, m_max, strict=True):
-            peak = peak.reshape(leaf.layers)
-            new_max.append(lerp(old, peak, theta, jnp.isfinite(peak)))
-            top = leaf.broadcast(new_max[-1] / (1 - theta**steps))
+        peaks = _engine.layer_norms(leaves, math.inf)
+        new_max = [
+            lerp(o, m, theta, jnp.isfinite(m))
+            for o, m in zip(m_max, peaks, strict=True)
+        ]
+        clipped = []
+        for leaf, peak, top in zip(leaves, peaks, new_max, strict=True):
+            top = leaf.broadcast(top / (1 - theta**steps))
             g = jnp.asarray(leaf.x).astype(jnp.result_type(leaf.x.dtype, dtype))
             scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
-            clipped.append(jnp.where(jnp.abs(g) > top, g * scale, g))
+            g = jnp.where(jnp.abs(g) > top, g * scale, g)
+            clipped.append(dataclasses.replace(leaf, x=g))
         # AdaGN: each tensor rescaled to its EMA-normalised norm.
-        norms = _engine.norms(
-            [
-                dataclasses.replace(leaf, x=g)
-                for leaf, g in zip(leaves, clipped, strict=True)
-            ],
-            inner_axes,
-        )
-        out, new_m, new_v = [], [], []
-        for leaf, g, n, m, v in zip(
-            leaves, clipped, norms, m_norm, v_norm, strict=True
+        norms = _engine.layer_norms(clipped)
+        active = [jnp.isfinite(n) & (n > 0) for n in norms]
+        new_m = [
+            lerp(m, n, gamma1, a) for m, n, a in zip(m_norm, norms, active, strict=True)
+        ]
+        new_v = [
+            lerp(v, n**2, gamma2, a)
+            for v, n, a in zip(v_norm, norms, active, strict=True)
+        ]
+        out = []
+        for leaf, g, n, a, m, v in zip(
+            leaves, clipped, norms, active, new_m, new_v, strict=True
         ):
-            n = n.reshape(leaf.layers)
-            active = jnp.isfinite(n) & (n > 0)
-            new_m.append(lerp(m, n, gamma1, active))
-            new_v.append(lerp(v, jnp.square(n), gamma2, active))
-            target = (new_m[-1] / (1 - gamma1**steps)) / (
-                jnp.sqrt(new_v[-1] / (1 - gamma2**steps)) + eps
+            target = (m / (1 - gamma1**steps)) / (
+                jnp.sqrt(v / (1 - gamma2**steps)) + eps
             )
-            factor = jnp.where(active, target / jnp.where(active, n, 1), 1)
+            factor = jnp.where(a, target / jnp.where(a, n, 1), 1)
             factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
-            out.append((g * leaf.broadcast(factor)).astype(leaf.x.dtype))
+            out.append((g.x * leaf.broadcast(factor)).astype(leaf.x.dtype))
         inner_state = state.inner_state
         if reset_every is not None:  # Stable-SPAM's momentum reset, only then
             inner_state = jax.lax.cond(

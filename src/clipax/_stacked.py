@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from typing import Any
@@ -65,88 +66,128 @@ def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> 
     return treedef.unflatten(folded)  # type: ignore[attr-defined]
 
 
-def _fits(shape: tuple[int, ...], entry: Entry, layers: tuple[int, ...]) -> bool:
-    """Whether a leaf of `shape` may hold `layers` at the axes of `entry`."""
-    axes = _axes(entry)
-    return all(a < len(shape) for a in axes) and (
-        tuple(shape[a] for a in axes) == layers
-    )
+def _layout(positions: list[int], shape: tuple[int, ...]) -> tuple[Entry, tuple]:
+    """The entry for layer axes at `positions`, and the layers they hold."""
+    entry = _entry(positions)
+    return entry, tuple(shape[a] for a in positions)
 
 
-def _scans(
-    keys: list[tuple[str, ...]],
-    names: list[tuple[Any, ...] | None],
-    shapes: list[tuple[int, ...]],
-    axis_name: str,
-    boundaries: set[tuple[str, ...]],
+def _from_names(
+    tree: Any, flat: list, keys: list[tuple[str, ...]], axis_name: str
 ) -> list[tuple[Entry, int | None]]:
     """Each leaf's entry and the depth of its stack's root, read from the
     positions of `axis_name` among its names (docs/stacked-layers.md).
 
-    A scan is a highest subtree whose leaves all hold the same layers at the
-    same axes: those with names carry `axis_name` there, those without fit
-    the shape; never above a haliax `Stacked` (`boundaries`). A leaf without
-    names in a scan needs a leaf beside it (in its module) whose names prove
-    its layer axes.
+    A stack is a highest subtree below the top whose leaves all hold the
+    same layers at the same axes (those without names: where their shape
+    fits), never above a haliax `Stacked`. A leaf without names in a stack
+    needs a leaf beside it, in its module, whose names prove its layer axes.
 
     Raises:
-      ValueError: naming the leaves without names in a scan that none proves.
+      ValueError: if no leaf has the name (naming those found), or naming the
+        leaves without names in a stack that no leaf proves.
     """
-    signature: list[tuple[Any, ...]] = []
-    for n, shape in zip(names, shapes, strict=True):
-        if n is None:
-            signature.append(("shape", shape))
-        else:
-            entry = _entry([i for i, a in enumerate(n) if a == axis_name])
-            signature.append(("named", entry, tuple(shape[a] for a in _axes(entry))))
-    under: dict[tuple[str, ...], set[tuple[Any, ...]]] = {}
-    for k, sig in zip(keys, signature, strict=True):
+    names = [_names(x) for _, x in flat]
+    if not any(axis_name in n for n in names if n):
+        found = sorted({str(a) for n in names if n for a in n})
+        none = "none (the leaves carry no names: pass the boxed parameters, or "
+        raise ValueError(
+            f"No leaf of the tree has the logical axis name {axis_name!r}; the "
+            f"names found are {found or none + 'give `path`)'}."
+        )
+    shapes = [
+        np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)) for _, x in flat
+    ]
+    sigs = [
+        None
+        if n is None
+        else _layout([i for i, a in enumerate(n) if a == axis_name], s)
+        for n, s in zip(names, shapes, strict=True)
+    ]
+    hnn = sys.modules.get("haliax.nn")
+    scan = lambda x: hnn is not None and isinstance(x, hnn.Stacked)  # noqa: E731
+    flat_scans = jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]
+    scans = [tuple(path_keys(p)) for p, x in flat_scans if scan(x)]
+    members: dict[tuple[str, ...], list[int]] = {}
+    for i, k in enumerate(keys):
         for end in range(len(k) + 1):
-            under.setdefault(k[:end], set()).add(sig)
+            members.setdefault(k[:end], []).append(i)
 
-    def in_scan(node: tuple[str, ...], entry: Entry, layers: tuple[int, ...]) -> bool:
-        if any(b[: len(node)] == node and b != node for b in boundaries):
+    @functools.cache
+    def holds(node: tuple[str, ...], sig: tuple[Entry, tuple]) -> bool:
+        if any(len(b) > len(node) and b[: len(node)] == node for b in scans):
             return False
+        entry, layers = sig
         return all(
-            (s[0] == "shape" and _fits(s[1], entry, layers))
-            or s == ("named", entry, layers)
-            for s in under[node]
+            sigs[j] == sig
+            if sigs[j]
+            else all(a < len(shapes[j]) for a in _axes(entry))
+            and tuple(shapes[j][a] for a in _axes(entry)) == layers
+            for j in members[node]
         )
 
     out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
-    scans: dict[tuple[str, ...], tuple[Entry, tuple[int, ...]]] = {}
-    for i, sig in enumerate(signature):
-        if sig[0] == "named" and sig[1] != 0:
-            root = next(  # below the top: a whole tree stacked is stacks
-                keys[i][:end]
-                for end in range(min(1, len(keys[i])), len(keys[i]) + 1)
-                if in_scan(keys[i][:end], sig[1], sig[2])
-            )
-            scans[root] = sig[1:]
-            out[i] = (sig[1], len(root))
+    roots: dict[tuple[str, ...], Any] = {}
+    for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
+        if sig is not None and sig[0] != 0:
+            ends = range(min(1, len(k)), len(k) + 1)
+            root = next(k[:end] for end in ends if holds(k[:end], sig))
+            roots[root], out[i] = sig, (sig[0], len(root))
     unproven = []
-    for i, sig in enumerate(signature):
-        root = next((r for r in scans if keys[i][: len(r)] == r), None)
-        if sig[0] == "named" or root is None:
-            continue
-        entry, layers = scans[root]
-        beside = under.get(keys[i][:-1], set())
-        if ("named", entry, layers) in beside and len(keys[i]) > len(root):
-            out[i] = (entry, len(root))
-        else:
-            unproven.append(i)
+    for i, k in enumerate(keys):
+        root = next((r for r in roots if k[: len(r)] == r), None)
+        if sigs[i] is None and root is not None:
+            if roots[root] in (sigs[j] for j in members[k[:-1]]):
+                out[i] = (roots[root][0], len(root))
+            else:
+                unproven.append("/".join(k))
     if unproven:
-        where = "/".join(next(r for r in scans if keys[unproven[0]][: len(r)] == r))
-        listed = ", ".join("/".join(keys[i]) for i in unproven[:4])
+        where = "/".join(next(r for r in roots if unproven[0].startswith("/".join(r))))
         raise ValueError(
             f"`stacked_prefix` found the layers of {axis_name!r} stacked under "
-            f"{where or '<root>'!r}, but the leaves at {listed}"
+            f"{where or '<root>'!r}, but the leaves at {', '.join(unproven[:4])}"
             + (f" (and {len(unproven) - 4} more)" if len(unproven) > 4 else "")
             + " carry no logical axis names, and no leaf beside them proves their "
             "layer axes: read as one tensor, each would be normed across all layers. "
             "Annotate them (`nn.with_logical_partitioning` on their initializers, "
             "e.g. a LayerNorm's `scale_init`), or give `path=` to say which leaves "
             "are stacked."
+        )
+    return out
+
+
+def _from_path(
+    keys: list[tuple[str, ...]], path: Any, axes: Any
+) -> list[tuple[Entry, int | None]]:
+    """Each leaf's entry and the depth of its stack's root: `axes` for the
+    leaves whose `/`-joined path `path` matches, the root the key where the
+    match ends.
+
+    Raises:
+      ValueError: if `path` or `axes` is not accepted, or `path` matches no
+        leaf (naming a few paths).
+    """
+    try:
+        pattern = re.compile(path)
+    except (re.error, TypeError) as error:
+        raise ValueError(
+            f"`path` must be a regular expression; got {path!r}."
+        ) from error
+    if isinstance(axes, tuple) and axes:
+        entry: Entry = LayerAxes(*(_checks.axes(axes) or ()))
+    else:  # () too: an int is what it takes
+        entry = _checks.integer("axes", axes, minimum=0)
+    out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
+    for i, k in enumerate(keys):
+        match = pattern.search("/".join(k))
+        if match is not None and entry != 0:
+            starts = np.cumsum([0, *(len(key) + 1 for key in k)])[:-1]
+            out[i] = (entry, int(np.sum(starts < match.end())))
+    if keys and all(root is None for _, root in out) and entry != 0:
+        joined = ["/".join(k) for k in keys]
+        raise ValueError(
+            f"`path`={path!r} matches no leaf of the tree; its paths include "
+            f"{joined[:4]}."
         )
     return out
 
@@ -207,58 +248,11 @@ def stacked_prefix(
     boxed = lambda x: hasattr(x, "unbox") or is_wrapper(x)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)
     keys = [tuple(path_keys(p)) for p, _ in flat]
-    shapes = [
-        tuple(np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)))
-        for _, x in flat
-    ]
-    if axis_name is not None:
-        if not isinstance(axis_name, str) or not axis_name:
-            raise ValueError(
-                f"`axis_name` must be a logical axis name; got {axis_name!r}."
-            )
-        names = [_names(x) for _, x in flat]
-        if not any(axis_name in n for n in names if n):
-            found = sorted({str(a) for n in names if n for a in n})
-            none = "none (the leaves carry no names: pass the boxed parameters, or "
-            raise ValueError(
-                f"No leaf of the tree has the logical axis name {axis_name!r}; the "
-                f"names found are {found or none + 'give `path`)'}."
-            )
-        hnn = sys.modules.get("haliax.nn")
-        boundaries = set()
-        if hnn is not None:
-            scan = lambda x: isinstance(x, hnn.Stacked)  # noqa: E731
-            for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]:
-                if scan(x):
-                    boundaries.add(tuple(path_keys(p)))
-        leaves = _scans(keys, names, shapes, axis_name, boundaries)
+    if path is not None:
+        leaves = _from_path(keys, path, axes)
+    elif isinstance(axis_name, str) and axis_name:
+        leaves = _from_names(tree, flat, keys, axis_name)
     else:
-        if not isinstance(path, str):
-            raise ValueError(f"`path` must be a regular expression; got {path!r}.")
-        try:
-            pattern = re.compile(path)
-        except re.error as error:
-            raise ValueError(
-                f"`path` must be a regular expression; got {path!r}."
-            ) from error
-        if isinstance(axes, tuple):
-            if not axes:
-                raise ValueError("`axes` must be an int >= 0 or ints; got ().")
-            entry: Entry = LayerAxes(*_checks.axes(axes) or ())
-        else:
-            entry = _checks.integer("axes", axes, minimum=0)
-        leaves = [(0, None)] * len(flat)
-        for i, k in enumerate(keys):
-            match = pattern.search("/".join(k))
-            if match is not None and entry != 0:
-                # The stack starts at the key where the match ends.
-                starts = np.cumsum([0, *(len(key) + 1 for key in k)])
-                leaves[i] = (entry, int(np.sum(starts[:-1] < match.end())))
-        if flat and all(root is None for _, root in leaves) and entry != 0:
-            joined = ["/".join(k) for k in keys]
-            raise ValueError(
-                f"`path`={path!r} matches no leaf of the tree; its paths include "
-                f"{joined[:4]}."
-            )
+        raise ValueError(f"`axis_name` must be a logical axis name; got {axis_name!r}.")
     indices = treedef.unflatten(range(len(flat)))  # type: ignore[attr-defined]
     return _fold(indices, leaves)

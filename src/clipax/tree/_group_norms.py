@@ -90,14 +90,11 @@ def group_norms(
             reverse=True,
         )
     p = _checks.order(ord)
-    _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    leaves = _leaves.leaves(
-        tree, "group_norms", stacked=stacked, specs=specs, axis_name=names
-    )
-    norms = _engine.norms(leaves, [leaf.inner for leaf in leaves], p, exact=True)
+    leaves = _leaves.reader(
+        "group_norms", stacked=stacked, specs=specs, axis_name=axis_name
+    )(tree)
     vectors, layers = [], []
-    for leaf, n in zip(leaves, norms, strict=True):
-        n = n.reshape(leaf.layers)
+    for leaf, n in zip(leaves, _engine.layer_norms(leaves, p, exact=True), strict=True):
         for dim, axis in enumerate(leaf.layer_axes):  # layers on other devices
             if leaf.dims and leaf.dims[axis]:  # in the spec's order of mesh axes
                 n = _engine.gathered(n, dim, leaf.dims[axis])

@@ -74,10 +74,10 @@ def clip_by_norm(
     """
     del name  # means nothing in JAX
     max_norm = _checks.threshold("max_norm", max_norm)
-    axes, names = _checks.axes_and_axis_name(axes, axis_name, stacked)
-    leaves = _leaves.leaves(
-        tree, "clip_by_norm", stacked=stacked, specs=specs, axis_name=names
-    )
+    axes, _ = _checks.axes_and_axis_name(axes, axis_name, stacked)
+    leaves = _leaves.reader(
+        "clip_by_norm", stacked=stacked, specs=specs, axis_name=axis_name
+    )(tree)
     return clip_leaves(leaves, max_norm, axes)[0]
 
 
