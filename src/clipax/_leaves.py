@@ -362,9 +362,9 @@ def reader(
 
 def entries(
     name: str, prefix: Any, tree: Any, items: Sequence[Leaf], is_entry: Any, what: str
-) -> list[tuple[int, Any, KeyPath]]:
+) -> list[tuple[Any, KeyPath]]:
     """For each leaf, the entry of `prefix` (a pytree prefix of `tree`) above
-    it: its index among the prefix's entries, the entry, and its path.
+    it, and the entry's path.
 
     Raises:
       ValueError: naming the path, if `prefix` has no entry above a leaf, or
@@ -372,9 +372,7 @@ def entries(
         describes nothing, as under `optax.masked`).
     """
     flat = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_entry)[0]
-    table = {
-        tuple(path): (i, entry, tuple(path)) for i, (path, entry) in enumerate(flat)
-    }
+    table = {tuple(path): (entry, tuple(path)) for path, entry in flat}
     out = []
     for leaf in items:
         above = [leaf.path[:end] for end in range(len(leaf.path), -1, -1)]
@@ -405,7 +403,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
     """`items` with their layer axes from the `stacked` prefix (after the
     first `skip` axes); the leaves under one entry must have the same layers."""
     out: list[Leaf] = []
-    first: dict[int, Leaf] = {}
+    first: dict[Any, Leaf] = {}  # per stack, its first leaf
     try:
         found = entries("stacked", prefix, tree, items, None, "entry")
     except ValueError as error:
@@ -416,7 +414,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
             f"{error} A tuple in `stacked` is a node of the prefix, not the "
             "positions of layer axes: give those as `clipax.LayerAxes(1)`."
         ) from None
-    for leaf, (index, entry, root) in zip(items, found, strict=True):
+    for leaf, (entry, root) in zip(items, found, strict=True):
         rank = leaf.x.ndim - skip
         where = f"to the leaf at {path_str(leaf.path)} with shape {leaf.x.shape}"
         if isinstance(entry, LayerAxes):
@@ -450,7 +448,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
             # A whole tree's entry (`stacked=1`) is one per top-level child.
             root=(root or leaf.path[:1]) if axes else None,
         )
-        other = first.setdefault(index, leaf)
+        other = first.setdefault(leaf.root, leaf)
         if leaf.layers != other.layers:
             raise ValueError(
                 f"`stacked` makes the leaves at {path_str(other.path)} and "
@@ -481,7 +479,7 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
                     f"the updates); at {path_str(path)} it holds {spec!r}."
                 )
         found = entries("specs", specs, tree, items, _is_spec, "PartitionSpec")
-        spec_of = [spec for _, spec, _ in found]
+        spec_of = [spec for spec, _ in found]
     out = []
     for leaf, spec in zip(items, spec_of, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
