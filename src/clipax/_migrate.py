@@ -66,11 +66,15 @@ def _dtype(node: Any) -> Any:
     """`node`'s dtype: a NumPy dtype, or an extended one (a typed PRNG key's,
     `key<fry>`), which NumPy cannot read."""
     dtype = node.dtype if hasattr(node, "dtype") else np.asarray(node).dtype
-    return dtype if _is_extended(dtype) else np.dtype(dtype)
+    return dtype if jnp.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype)
 
 
-def _is_extended(dtype: Any) -> bool:
-    return bool(jnp.issubdtype(dtype, jax.dtypes.extended))
+def _kind(dtype: Any) -> Any:
+    """What a dtype may be cast from: its kind in jnp's lattice (which puts
+    bfloat16 and float8 under floating, int4 under integer); a typed PRNG
+    key's only its own dtype (there is no cast)."""
+    kinds = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
+    return next((k for k in kinds if jnp.issubdtype(dtype, k)), dtype)
 
 
 def _describe(node: Any) -> str:
@@ -84,33 +88,19 @@ def _describe(node: Any) -> str:
 
 
 def _leaf(old: Any, new: Any, where: str) -> Any:
-    old_dtype = _dtype(old) if _is_leaf(old) or hasattr(old, "shape") else None
-    new_dtype = _dtype(new)
-    # Kinds in jnp's dtype lattice, not NumPy's: it puts bfloat16 and float8
-    # (ml_dtypes) under floating, and int4 under integer. A typed PRNG key
-    # matches only a key of the same implementation: there is no cast.
-    kinds = (jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)
-    extended = old_dtype is not None and (
-        _is_extended(old_dtype) or _is_extended(new_dtype)
-    )
-    if old_dtype is None:
+    if not (_is_leaf(old) or hasattr(old, "shape")):
         why = f"the new state holds {_describe(new)}, the old state {_describe(old)}"
         raise _mismatch(where, why)
+    old_dtype, new_dtype = _dtype(old), _dtype(new)
     if np.shape(old) != np.shape(new):
         why = f"the old array has shape {np.shape(old)}, the new one {np.shape(new)}"
         raise _mismatch(where, why)
-    if (
-        (old_dtype != new_dtype)
-        if extended
-        else not any(
-            jnp.issubdtype(old_dtype, k) and jnp.issubdtype(new_dtype, k) for k in kinds
-        )
-    ):
+    if _kind(old_dtype) != _kind(new_dtype):
         why = f"the old array has dtype {old_dtype}, the new one {new_dtype}"
         raise _mismatch(where, why)
     if not isinstance(old, jax.Array):
         old = np.asarray(old)
-    value = old if extended else old.astype(new_dtype)
+    value = old if old_dtype == new_dtype else old.astype(new_dtype)
     if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
         return jnp.asarray(value)  # under jax.jit
     if isinstance(new, jax.Array):
