@@ -554,13 +554,13 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         "stacked not an int",
         lambda t: clipax.tree.clip_by_norm(t, 1.0, stacked={"w": "layers", "b": 0}),
         TypeError,
-        r"`stacked` must be .*; for the leaf at \['w'\] it holds 'layers'",
+        r"`stacked` must be .*; at \['w'\] it holds 'layers'",
     ),
     (
         "stacked callable giving a bool",
         lambda t: clipax.tree.group_norms(t, stacked=lambda u: {"w": True, "b": 0}),
         TypeError,
-        r"for the leaf at \['w'\] it holds True",
+        r"`stacked` must be .*; at \['w'\] it holds True",
     ),
     (
         "stacked with axis_name",

@@ -361,17 +361,30 @@ def reader(
 
 
 def entries(
-    name: str, prefix: Any, tree: Any, items: Sequence[Leaf], is_entry: Any, what: str
+    name: str,
+    prefix: Any,
+    tree: Any,
+    items: Sequence[Leaf],
+    is_entry: Any,
+    what: str,
+    accepted: str,
 ) -> list[tuple[Any, KeyPath]]:
     """For each leaf, the entry of `prefix` (a pytree prefix of `tree`) above
     it, and the entry's path.
 
     Raises:
+      TypeError: naming the path, if an entry is not `is_entry`'s.
       ValueError: naming the path, if `prefix` has no entry above a leaf, or
         holds one where `tree` has no node (below an empty node, an entry
         describes nothing, as under `optax.masked`).
     """
     flat = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=is_entry)[0]
+    for path, entry in flat:
+        if not is_entry(entry):
+            raise TypeError(
+                f"`{name}` must be {accepted}; at {path_str(path)} it holds "
+                f"{short_repr(entry)}."
+            )
     table = {tuple(path): (entry, tuple(path)) for path, entry in flat}
     out = []
     for leaf in items:
@@ -405,7 +418,9 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
     out: list[Leaf] = []
     first: dict[Any, Leaf] = {}  # per stack, its first leaf
     try:
-        found = entries("stacked", prefix, tree, items, None, "entry")
+        found = entries(
+            "stacked", prefix, tree, items, _is_layer_entry, "entry", STACKED_ACCEPTED
+        )
     except ValueError as error:
         nodes = jax.tree.leaves(prefix, is_leaf=lambda x: isinstance(x, tuple))
         if not any(isinstance(node, tuple) for node in nodes):
@@ -425,7 +440,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
                     f"`stacked` gives {entry} {where}: distinct axes within its rank, "
                     f"{rank}" + (" after the batch axis." if skip else ".")
                 ) from None
-        elif isinstance(entry, numbers.Integral) and not isinstance(entry, bool):
+        else:
             if not 0 <= int(entry) <= rank:
                 raise ValueError(
                     f"`stacked` gives {entry} stacked axes {where}"
@@ -437,11 +452,6 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
                     )
                 )
             axes = tuple(range(int(entry)))
-        else:
-            raise TypeError(
-                f"`stacked` must be {STACKED_ACCEPTED}; for the leaf at "
-                f"{path_str(leaf.path)} it holds {short_repr(entry)}."
-            )
         leaf = dataclasses.replace(
             leaf,
             layer_axes=tuple(sorted(a + skip for a in axes)),
@@ -459,6 +469,12 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
     return out
 
 
+def _is_layer_entry(node: Any) -> bool:
+    return isinstance(node, LayerAxes) or (
+        isinstance(node, numbers.Integral) and not isinstance(node, bool)
+    )
+
+
 def _is_spec(node: Any) -> bool:
     return node is None or isinstance(node, PartitionSpec)
 
@@ -470,15 +486,10 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
     use)."""
     spec_of: list[Any] = [None] * len(items)
     if specs is not None:
-        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[
-            0
-        ]:
-            if not _is_spec(spec):
-                raise TypeError(
-                    "`specs` must be a tree of jax.sharding.PartitionSpec (a prefix of "
-                    f"the updates); at {path_str(path)} it holds {spec!r}."
-                )
-        found = entries("specs", specs, tree, items, _is_spec, "PartitionSpec")
+        accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the updates)"
+        found = entries(
+            "specs", specs, tree, items, _is_spec, "PartitionSpec", accepted
+        )
         spec_of = [spec for spec, _ in found]
     out = []
     for leaf, spec in zip(items, spec_of, strict=True):
