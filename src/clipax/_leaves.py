@@ -5,7 +5,7 @@ into one `Leaf` per array: its key path, the array, the positions of its layer
 axes (the axes that index stacked layers) and, inside `shard_map`/`pmap`, the
 mesh axes that split each of its dimensions. Every rule, tree function and
 `metrics` works from these records; a layer's axes, a leaf's placement and the
-unrolled model's keys (`layer_keys`) are computed here and nowhere else.
+unrolled model's keys (`flat_keys`) are computed here and nowhere else.
 None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 """
 
@@ -596,51 +596,32 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
     return kept
 
 
-def layer_keys(
-    paths: Sequence[KeyPath],
-    layers: Sequence[tuple[int, ...]],
-    depths: Sequence[int | None] = (),
-) -> list[tuple[int, tuple[int, ...] | None, list[str]]]:
-    """The tensors of a tree as the unrolled model has them: for each, its
-    leaf, its layer index (None for a leaf not stacked) and its key path with
-    the layer index right after the node of its `stacked=` entry (`depths`,
-    per leaf: that node's depth; a stacked leaf without one: after the leaf's
-    own keys), in the unrolled model's order (layer by layer through each
-    stack). The keys depend on that entry alone: never on the other leaves,
-    nor on two stacks having equal layer counts.
-    """
-    keys = [path_keys(path) for path in paths]
-    depth = [
-        (depths[i] if depths and depths[i] is not None else len(keys[i]))
-        for i in range(len(paths))
-    ]
-    out: list[tuple[int, tuple[int, ...] | None, list[str]]] = []
-    i = 0
-    while i < len(paths):
-        if not layers[i]:
-            out.append((i, None, keys[i]))
-            i += 1
-            continue
-        d, root = depth[i], keys[i][: depth[i]]
-        j = i + 1
-        while j < len(paths) and layers[j] and depth[j] == d and keys[j][:d] == root:
-            j += 1
-        for index in np.ndindex(*layers[i]):
-            for m in range(i, j):
-                out.append((m, index, [*root, *map(str, index), *keys[m][d:]]))
-        i = j
-    return out
-
-
 def flat_keys(
     paths: Sequence[KeyPath],
     layers: Sequence[tuple[int, ...]],
     depths: Sequence[int | None] = (),
 ) -> list[tuple[int, list[str], int]]:
-    """`layer_keys`, each tensor's entry given as its place in the leaves'
-    values (shaped as their layers) raveled and concatenated."""
+    """The tensors of a tree as the unrolled model has them, in its order
+    (layer by layer through each stack): for each, its leaf, its key path, and
+    its place in the leaves' values (shaped as their layers) raveled and
+    concatenated. A layer index goes right after the node of the leaf's
+    `stacked=` entry (`depths`: that node's depth, per leaf; after the leaf's
+    own keys without one): the keys depend on that entry alone, never on the
+    other leaves, nor on two stacks having equal layer counts.
+    """
+    keys = [path_keys(path) for path in paths]
+    depths = depths or [None] * len(keys)
+    depth = [len(k) if d is None else d for d, k in zip(depths, keys, strict=True)]
     offsets = np.cumsum([0, *(math.prod(shape) for shape in layers)])
-    return [
-        (i, keys, int(offsets[i] + np.ravel_multi_index(index or (), layers[i])))
-        for i, index, keys in layer_keys(paths, layers, depths)
-    ]
+    out: list[tuple[int, list[str], int]] = []
+    i = 0
+    while i < len(paths):
+        d, root, j = depth[i], keys[i][: depth[i]], i + 1
+        while layers[i] and j < len(paths) and depth[j] == d and keys[j][:d] == root:
+            j += 1  # the leaves of one stack
+        for index in np.ndindex(*layers[i]):
+            for m in range(i, j):
+                at = offsets[m] + np.ravel_multi_index(index, layers[m])
+                out.append((m, [*root, *map(str, index), *keys[m][d:]], int(at)))
+        i = j
+    return out
