@@ -67,3 +67,20 @@ def test_page_examples(page: Path) -> None:
         runner.run(test, out=failures.append, clear_globs=False)
         globs = test.globs  # the next block sees this block's names
     assert not failures, "\n".join(failures)
+
+
+def test_public_docstrings_are_about_as_long_as_optaxs() -> None:
+    """Summary, Args, Returns, Raises, one example, a link: at most 45 lines;
+    the long story (porting recipes, schedules) lives in the docs pages."""
+    import inspect
+
+    import clipax
+
+    public = [getattr(clipax, n) for n in clipax.__all__ if n != "__version__"]
+    public += [getattr(clipax.tree, n) for n in clipax.tree.__all__]
+    long = {
+        f.__name__: n
+        for f in public
+        if callable(f) and (n := len((inspect.getdoc(f) or "").splitlines())) > 45
+    }
+    assert not long

@@ -91,11 +91,9 @@ def adagc(
     are clipped by global norm to `max_norm` and each tensor's EMA starts from
     its smallest nonzero clipped norm; after them each tensor is clipped on
     its own to `clip_ratio` times its EMA, which follows its clipped norm with
-    factor `alpha`. A spike in one tensor changes no other's update. With
-    `stacked`, each layer of a stacked leaf is a tensor of its own, with its
-    own EMA (docs/stacked-layers.md). It follows the authors' reference code
-    where the paper leaves room; docs/semantics.md ("AdaGC") gives the rule
-    and the differences.
+    factor `alpha`. With `stacked`, each layer of a stacked leaf is a tensor
+    with its own EMA (docs/stacked-layers.md). docs/semantics.md ("AdaGC")
+    gives the rule and where it follows the authors' code.
 
     Args:
       clip_ratio: a tensor is clipped to this multiple of its EMA (the
@@ -104,8 +102,7 @@ def adagc(
       warmup_steps: how many first steps clip by global norm, an int >= 0.
       max_norm: the global-norm threshold of the warm-up (`lambda_abs`): a
         positive scalar, `inf`, or an array.
-      stacked: None, or a prefix of the updates holding, per subtree, how many
-        leading axes index stacked layers, or a callable that returns one.
+      stacked: None, or a prefix of the updates (docs/stacked-layers.md).
       axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
         split over (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates: a tensor's

@@ -353,56 +353,36 @@ def zclip(
 ) -> optax.GradientTransformation:
     """Clips global-norm spikes detected by their z-score against running stats.
 
-    ZClip (Kumar et al. 2025): the first `warmup_steps` norms pass and start
-    an EMA mean and variance of the global norm; after them, a norm whose
-    z-score exceeds `z_threshold` is clipped by global norm, to
-    `mean + z_threshold**2 / z * std` (mode `"adaptive"`, times
-    `clip_factor`), to the mean (`clip_option="mean"`), or to
-    `mean + z_threshold * std` (mode `"std"`), and the statistics follow the
-    clipped norm (`history="clipped"`) or the norm itself (`"raw"`). With
-    `window`, the statistics are the mean and (population) variance of the
-    last `window` norms instead, tested from `warmup_steps` of them on:
-    Levanter's update clipping is `zclip(mode="std", z_threshold=3.0,
-    window=128, warmup_steps=64, history="raw")` after the optimizer. It
-    takes the call of the authors' `zclip` package's `ZClip(...)` as written
-    and follows its code where the paper leaves room:
-    docs/semantics.md ("ZClip") gives the rule and the differences,
-    docs/porting.md maps the options.
+    ZClip (Kumar et al. 2025): the first `warmup_steps` norms start an EMA
+    mean and variance of the global norm (with `window`: those of the last
+    `window` norms); after them, a norm whose z-score exceeds `z_threshold`
+    is clipped by global norm, to `mean + z_threshold**2 / z * std` (mode
+    `"adaptive"`), or `mean + z_threshold * std` (mode `"std"`). It takes
+    the `zclip` package's call: docs/semantics.md ("ZClip") gives the rule,
+    docs/porting.md the package's options and Levanter's update clipping.
 
     Args:
       alpha: the EMA factor of the mean and variance, in (0, 1).
-      z_threshold: the z-score above which a norm is clipped, > 0 (the
-        package's `z_thresh`).
-      warmup_steps: how many first steps only record their norm, an int >= 1;
-        it sets the state's shape (without `window`).
-      window: None (EMA statistics), or how many of the latest norms the
-        statistics are taken over, an int >= 2; it sets the state's shape.
-      history: `"clipped"` (default: the statistics follow the clipped norm)
-        or `"raw"` (the norm as it came).
-      mode: `"adaptive"` (default; the package's `"zscore"`) or `"std"` (its
-        `"percentile"`), the limit clipped to.
-      clip_option: in mode `"adaptive"`: `"adaptive_scaling"` (default) or
-        `"mean"`.
-      clip_factor: a multiplier on the adaptive-scaling limit, > 0.
-      skip_update_on_spike: whether a spike leaves the statistics as they
-        were, rather than feeding them its limit.
+      z_threshold: the z-score above which a norm is clipped, > 0.
+      warmup_steps: how many first norms are only recorded, an int >= 1.
+      window: None (EMA statistics), or the latest norms' count, an int >= 2.
+      history: `"clipped"` (default) or `"raw"`: which norm they take.
+      mode: `"adaptive"` (default; the package's `"zscore"`) or `"std"`.
+      clip_option, clip_factor: the package's, in mode `"adaptive"`.
+      skip_update_on_spike: whether a spike leaves the statistics as they were.
       eps: added to the standard deviation in the z-score, > 0.
-      max_grad_norm: None (default; the package's default is 1.0), or a
-        global norm no update exceeds, in warmup too; the statistics follow
-        the adaptive limit.
-      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
-        split over (docs/scaling-out.md).
-      specs: inside `shard_map`, the `in_specs` of the updates.
+      max_grad_norm: None (default), or a global norm no update exceeds.
+      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
+        split (docs/scaling-out.md).
 
     Returns:
       An `optax.GradientTransformation` whose state is a `ZClipState`.
 
     Raises:
-      ValueError: at construction, if an argument is not accepted, or
-        `clip_option` or `clip_factor` is given where it means nothing.
-      TypeError: at construction, if `warmup_steps` is traced or
-        `skip_update_on_spike` is not a bool; at `init` or `update`, if a leaf
-        is not a float array.
+      ValueError: if an argument is not accepted, or `clip_option` or
+        `clip_factor` is given where it means nothing.
+      TypeError: if `warmup_steps` is traced, `skip_update_on_spike` is not a
+        bool, or a leaf is not a float array.
 
     Example:
       >>> import jax.numpy as jnp
@@ -415,8 +395,7 @@ def zclip(
       Array([2.347], dtype=float32)
 
     References:
-      Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
-      <https://arxiv.org/abs/2504.02507>`_, 2025.
+      Kumar et al., `ZClip <https://arxiv.org/abs/2504.02507>`_, 2025.
     """
     alpha = _checks.unit("alpha", alpha)
     z_threshold = _checks.positive("z_threshold", z_threshold)

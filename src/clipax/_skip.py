@@ -63,50 +63,37 @@ def skip_spikes(
 ) -> optax.GradientTransformationExtraArgs:
     """Skips a step whose gradient norm (or loss) is non-finite or a spike.
 
-    Wraps `inner` (any transformation, e.g. the whole `optax.chain(clip,
-    adamw)`). A step is skipped when the global norm of the incoming updates,
-    or the `loss=` passed to `update`, is NaN or inf, when the norm is above
-    `max_norm`, or when either is a spike: more than `z_threshold` standard
-    deviations above the mean of the values so far, once `warmup_steps` of
-    them were recorded. The statistics are an EMA (`alpha`) or, with
-    `window`, the mean and std (`ddof`) of the last `window` values; they
-    take accepted steps' values (`history="accepted"`) or every step's
-    (`"all"`, as OLMo-core, Levanter and MaxText do), never a NaN or inf. A
-    skipped step returns zero updates and `inner`'s state bit for bit as it
-    was; after `max_consecutive_skips` skips in a row the next spike is let
-    through (`forced`). Every decision is a select on the device, the same on
-    every device (docs/skipping-and-logging.md; docs/porting.md gives the
-    trainers' rules as calls).
+    A step is skipped when the global norm of the incoming updates, or the
+    `loss=` passed to `update`, is NaN or inf, above `max_norm`, or more than
+    `z_threshold` standard deviations above the mean of the values so far
+    (an EMA, or the last `window` values), once `warmup_steps` were
+    recorded. A skipped step returns zero updates and `inner`'s state bit for
+    bit as it was (docs/skipping-and-logging.md; docs/porting.md gives
+    OLMo-core's, Levanter's and MaxText's rules as calls).
 
     Args:
-      inner: the transformation whose steps are skipped; extra arguments of
-        `update` (`loss=` included) are forwarded to it.
-      z_threshold: the z-score above which a norm (or loss) is a spike, > 0;
-        `inf` turns the statistical tests off.
+      inner: the transformation whose steps are skipped, e.g. the whole
+        `optax.chain(clip, adamw)`; `update`'s extra arguments go to it.
+      z_threshold: the z-score of a spike, > 0 (`inf`: no statistical test).
       alpha: the EMA factor of the statistics, in (0, 1) (without `window`).
-      window: None (EMA statistics), or how many of the latest values the
-        mean and std are taken over, an int >= 2; it sets the state's shape.
-      ddof: with `window`, the std's delta degrees of freedom, an int >= 0:
-        0 (the population's, Levanter's) or 1 (`torch.std`'s, OLMo-core's).
+      window: None (EMA statistics), or the latest values' count, an int >= 2.
+      ddof: with `window`, the std's delta degrees of freedom, an int >= 0.
       warmup_steps: values recorded before the z-tests start, an int >= 1.
-      history: `"accepted"` (default) or `"all"`: whose values the
-        statistics take.
-      max_consecutive_skips: None (no limit), or after this many skips in a
-        row the next spike is let through, an int >= 1.
-      max_norm: None (default), or a norm above which a step is always
-        skipped: a positive scalar or an array.
-      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
-        split over (docs/scaling-out.md).
-      specs: inside `shard_map`, the `in_specs` of the updates.
+      history: `"accepted"` (default) or `"all"` (the trainers'): whose
+        values the statistics take (never a NaN or inf).
+      max_consecutive_skips: None (no limit), or an int >= 1: after that
+        many skips in a row the next spike is let through (`forced`).
+      max_norm: None, or a norm above which a step is always skipped.
+      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
+        split (docs/scaling-out.md).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
       `SkipSpikesState`; its `update` takes an optional scalar `loss=`.
 
     Raises:
-      TypeError: at construction, if `inner` is not a transformation, or
-        `z_threshold`, `alpha` or `max_norm` is not a real number.
-      ValueError: at construction, if an argument is not accepted.
+      TypeError: if `inner` is not a transformation, or a number is not real.
+      ValueError: if an argument is not accepted.
 
     Example:
       >>> import jax.numpy as jnp

@@ -49,23 +49,12 @@ def stable_spam(
 
     Stable-SPAM (Huang et al. 2025) for each tensor: AdaClip scales the
     entries above a bias-corrected EMA (`theta`) of the tensor's largest |g|
-    down by that EMA over the largest |g|; AdaGN then rescales the tensor to
-    norm `m / (sqrt(v) + eps)`, the bias-corrected EMAs of its norm (`gamma1`)
-    and of its squared norm (`gamma2`). `inner` (Adam in the paper) takes the
-    result; its state is re-initialised (`inner.init`) before every
-    `reset_every`-th step. pytorch-optimizer's `StableSPAM(lr, betas, gamma1,
-    gamma2, theta, weight_decay, update_proj_gap, eps)` is
-    `stable_spam(optax.adamw(lr, b1, b2, eps=eps, weight_decay=weight_decay),
-    theta=theta, gamma1=gamma1, gamma2=gamma2, eps=eps,
-    reset_every=update_proj_gap)` (docs/porting.md). `inner`'s whole state is
-    re-initialised, a schedule in it too: to keep a learning-rate schedule
-    running, chain it after `stable_spam` (`optax.chain(stable_spam(
-    optax.scale_by_adam()), optax.scale_by_learning_rate(schedule))`). Where a
-    tensor's whole gradient is zero, its norm statistics stay (`m_max` decays,
-    as pytorch-optimizer's does) and `inner` sees the zeros (StableSPAM skips
-    Adam for that tensor); a tensor whose gradient holds NaN or inf keeps its
-    statistics and comes out all NaN. With `stacked`, each layer of a stacked
-    leaf is a tensor of its own (docs/stacked-layers.md).
+    down to it; AdaGN rescales the tensor to norm `m / (sqrt(v) + eps)`, the
+    bias-corrected EMAs of its norm and squared norm. `inner` takes the
+    result; its whole state is re-initialised before every `reset_every`-th
+    step. A tensor holding NaN or inf comes out all NaN; with `stacked`, each
+    layer is a tensor (docs/stacked-layers.md). docs/porting.md maps
+    pytorch-optimizer's `StableSPAM`, zero gradients and schedules.
 
     Args:
       inner: the optimizer the gradients go to, e.g. `optax.adamw(1e-3)`;
@@ -76,21 +65,17 @@ def stable_spam(
       eps: added to the root of the squared norm's EMA, >= 0.
       reset_every: None (never), or every how many steps `inner`'s state is
         re-initialised, an int >= 1.
-      stacked: None, or a prefix of the updates holding, per subtree, how many
-        leading axes index stacked layers (or a `clipax.LayerAxes`), or a
-        callable that returns one.
-      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
-        split over (docs/scaling-out.md).
-      specs: inside `shard_map`, the `in_specs` of the updates.
+      stacked: None, or a prefix of the updates (docs/stacked-layers.md).
+      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
+        split (docs/scaling-out.md).
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
       `StableSpamState`.
 
     Raises:
-      ValueError: at construction, if an argument is not accepted.
-      TypeError: at construction, if `inner` is not a transformation; at
-        `init` or `update`, if a leaf is not a float array.
+      ValueError: if an argument is not accepted.
+      TypeError: if `inner` is not a transformation, or a leaf not a float.
 
     Example:
       >>> import jax.numpy as jnp
@@ -104,8 +89,7 @@ def stable_spam(
       Array([-0.566,  0.566], dtype=float32)
 
     References:
-      Huang et al., `Stable-SPAM: How to Train in 4-Bit More Stably than
-      16-Bit Adam <https://arxiv.org/abs/2502.17055>`_, 2025.
+      Huang et al., `Stable-SPAM <https://arxiv.org/abs/2502.17055>`_, 2025.
     """
     _checks.transformation("inner", inner)
     theta, gamma1, gamma2 = (

@@ -29,17 +29,15 @@ def group_norms(
     """The norm of each group of leaves of `tree`, e.g. per layer or module.
 
     A leaf's path is its key path joined with `/` (`dense/kernel`; sequence
-    entries give their index). Leaves are grouped by the first `depth` entries of
-    their path (1 when neither is given), or under the longest of `prefixes` that
-    starts their path (whole entries: `layers/1` holds `layers/1/w`, not
-    `layers/10/w`; leaves under none are left out). Each group's norm is taken by
-    clipax's exact engine, so the groups' norms combine to the global norm. With
-    `stacked`, each layer of a stacked leaf is a leaf of its own, its index a
-    path entry right after its `stacked=` entry's node (`layers/0/attn/kernel`
-    for `{"layers": 1}`), and its norm a per-tensor norm
-    (docs/stacked-layers.md). The result is a `clipax.Metrics`, a flat
-    mapping from `"<group>/norm"` to a scalar, jittable, ready to merge with
-    `clipax.metrics` (docs/skipping-and-logging.md).
+    entries give their index). Leaves are grouped by the first `depth` entries
+    of their path (1 when neither is given), or under the longest of
+    `prefixes` that starts their path (whole entries: `layers/1` holds
+    `layers/1/w`, not `layers/10/w`; leaves under none are left out). Each
+    group's norm is exact, so the groups' norms combine to the global norm.
+    With `stacked`, each layer of a stacked leaf is a tensor, its index a
+    path entry right after the node of its `stacked=` entry
+    (docs/stacked-layers.md). Jittable, ready to merge with `clipax.metrics`
+    (docs/skipping-and-logging.md).
 
     Args:
       tree: a pytree of float16, bfloat16, float32, float64 or complex arrays.
@@ -47,8 +45,7 @@ def group_norms(
       prefixes: group under these `/`-separated paths.
       key_prefix: put before every key, e.g. `"grads"`.
       ord: the norm's order: 2 (default), 1, `inf`, or a real p >= 1.
-      stacked: None, or a prefix of `tree` holding, per subtree, how many
-        leading axes index stacked layers, or a callable that returns one.
+      stacked: None, or a prefix of `tree` (docs/stacked-layers.md).
       axis_name: as for `clipax.tree.global_norm`.
       specs: as for `clipax.tree.global_norm`.
 

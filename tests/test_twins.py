@@ -1,0 +1,745 @@
+"""Stacked layers equal their unrolled twin, for random trees and stackings.
+
+Hypothesis draws a tree (`cases`): dicts, lists, tuples, a NamedTuple class and
+Equinox modules holding float32 arrays, haliax `NamedArray`s, None and
+`optax.MaskedNode`, with some subtrees stacked. A stack is an entry of the
+`stacked=` prefix at its node: an int (leading layer axes) or a
+`clipax.LayerAxes` (the layer axes anywhere, negative too), one or two layer
+axes, on a leaf, a module, the root (one stack per top-level child), or on
+siblings of equal layer counts that are their parent's only children.
+
+Its unrolled twin (`unroll`) replaces each stack's node with a list of its
+layers (a list of lists for two layer axes), each leaf cut at its layer index.
+On the stacked tree with `stacked=` and on the twin without it, jitted:
+
+- every per-tensor rule (`clip_by_norm`, also with `axes=-1`,
+  `adaptive_grad_clip`, `adagc`, `stable_spam`, `clip_by_block_rms`), also
+  under `optax.masked`, gives the same updates (unrolled) step by step;
+- `clipax.metrics` of its state and `clipax.tree.group_norms` (a random
+  `depth`, and `prefixes` taken from the twin's paths), logged at each step of
+  a `jax.lax.scan`, give the same keys in the same order and the same series;
+  each series ends in the value read from the last state, and the twin's keys
+  are its own key paths (a masked leaf's gone, no other moved);
+- `clipax.tree.per_example_layer_norm_clip` gives the same sums and counts.
+
+CI runs a few derandomized examples per test (about 10 s each on two CPU cores).
+A longer, random search (300 examples per test; or give a number):
+
+    CLIPAX_TWINS=long .venv/bin/python -m pytest tests/test_twins.py -n 0
+    CLIPAX_TWINS=1000 .venv/bin/python -m pytest tests/test_twins.py -n 2
+
+Hypothesis prints the failing case (a `Case`) and a `@reproduce_failure` blob.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, NamedTuple
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import clipax
+
+hax = pytest.importorskip("haliax")
+
+_RUN = os.environ.get("CLIPAX_TWINS", "")
+if _RUN not in ("", "long") and not _RUN.isdigit():
+    raise ValueError(f"CLIPAX_TWINS must be 'long' or a number; got {_RUN!r}.")
+TWINS = settings(
+    max_examples=300 if _RUN == "long" else int(_RUN) if _RUN else 6,
+    derandomize=not _RUN,  # CI: the same examples every run
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+RTOL, ATOL = 1e-5, 1e-6
+# The steps of the scan: the gradients are `a * scale + b * mix`.
+SCALES = np.array([1.0, 0.5, 4.0], np.float32)
+MIXES = np.array([0.0, 1.0, 0.3], np.float32)
+STEPS = len(SCALES)
+BATCH = 3
+
+
+# The containers.
+
+
+class Pair(NamedTuple):
+    x: Any
+    y: Any
+
+
+class Triple(NamedTuple):
+    x: Any
+    y: Any
+    z: Any
+
+
+class Single(NamedTuple):
+    x: Any
+
+
+class Mod1(eqx.Module):
+    p: Any
+
+
+class Mod2(eqx.Module):
+    p: Any
+    q: Any
+
+    def __call__(self, x: Any) -> Any:  # a model: as a prefix, still a prefix
+        return x
+
+
+class Mod3(eqx.Module):
+    p: Any
+    q: Any
+    r: Any
+
+
+NAMEDTUPLES = {1: Single, 2: Pair, 3: Triple}
+MODULES = {1: Mod1, 2: Mod2, 3: Mod3}
+KINDS = ("dict", "list", "tuple", "namedtuple", "module")
+NAMES = ("a", "b", "dec", "enc", "w")
+ORDERS = (1, 2, 3.0, math.inf)
+
+
+def container(kind: str, keys: tuple[str, ...], values: list[Any]) -> Any:
+    if kind == "dict":
+        return dict(zip(keys, values, strict=True))
+    if kind == "list":
+        return list(values)
+    if kind == "tuple":
+        return tuple(values)
+    return (NAMEDTUPLES if kind == "namedtuple" else MODULES)[len(values)](*values)
+
+
+# A tree's description, from which its stacked form, prefix and mask are built.
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    shape: tuple[int, ...]  # one layer's
+    named: bool  # a haliax NamedArray
+    seed: int
+    mask: bool  # True: `optax.masked`'s rule applies to it
+
+
+@dataclasses.dataclass(frozen=True)
+class Empty:
+    masked: bool  # optax.MaskedNode(), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    kind: str
+    children: tuple[tuple[str, Any], ...]  # (dict key, child)
+    collapse: bool = False  # in the prefix: one 0, where nothing below is stacked
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    entry: int | clipax.LayerAxes  # the `stacked=` entry at this node
+    layers: tuple[int, ...]
+    child: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    spec: Any
+    depth: int  # group_norms' depth
+    picks: tuple[tuple[int, int], ...]  # group_norms' prefixes: (path, length)
+    uniform: bool  # per_example_layer_norm_clip's
+    ord: float = 2  # group_norms' order, outside the scan
+
+
+def spec_leaves(spec: Any) -> list[Leaf]:
+    if isinstance(spec, Leaf):
+        return [spec]
+    if isinstance(spec, Stack):
+        return spec_leaves(spec.child)
+    if isinstance(spec, Node):
+        return [leaf for _, c in spec.children for leaf in spec_leaves(c)]
+    return []
+
+
+def has_stack(spec: Any) -> bool:
+    if isinstance(spec, Node):
+        return any(has_stack(c) for _, c in spec.children)
+    return isinstance(spec, Stack)
+
+
+def layer_axes(entry: int | clipax.LayerAxes, rank: int) -> tuple[int, ...]:
+    """The positions of an entry's layer axes in a leaf of `rank`, sorted."""
+    if isinstance(entry, clipax.LayerAxes):
+        return tuple(sorted(a % rank for a in entry.axes))
+    return tuple(range(entry))
+
+
+def build(spec: Any, salt: int, batch: int = 0, stack: Stack | None = None) -> Any:
+    """The stacked tree: random float32 values, each layer (and example, with
+    a `batch` on axis 0) of its own magnitude."""
+    if isinstance(spec, Stack):
+        return build(spec.child, salt, batch, spec)
+    if isinstance(spec, Node):
+        values = [build(c, salt, batch, stack) for _, c in spec.children]
+        return container(spec.kind, tuple(k for k, _ in spec.children), values)
+    if isinstance(spec, Empty):
+        return optax.MaskedNode() if spec.masked else None
+    layers = stack.layers if stack else ()
+    rank = len(spec.shape) + len(layers)
+    axes = layer_axes(stack.entry, rank) if stack else ()
+    inner, outer = iter(spec.shape), iter(layers)
+    full = tuple(next(outer) if d in axes else next(inner) for d in range(rank))
+    rng = np.random.default_rng((spec.seed, salt))
+    x = rng.normal(size=(batch, *full) if batch else full)
+    x = x * np.exp(
+        rng.uniform(-1.5, 1.5, [n if d in axes else 1 for d, n in enumerate(full)])
+    )
+    if batch:
+        x = x * np.exp(rng.uniform(-3.0, 1.0, (batch,) + (1,) * rank))
+    x = jnp.asarray(x, jnp.float32)
+    if not spec.named:
+        return x
+    names = iter(f"a{i}" for i in range(len(spec.shape)))
+    stacked = iter(("layers", "layers2"))
+    axis_names = [next(stacked) if d in axes else next(names) for d in range(rank)]
+    return hax.NamedArray(x, (("batch",) if batch else ()) + tuple(axis_names))
+
+
+def prefix_of(spec: Any) -> Any:
+    """The `stacked=` prefix: each stack's entry at its node, 0 elsewhere."""
+    if isinstance(spec, Stack):
+        return spec.entry
+    if not isinstance(spec, Node) or (spec.collapse and not has_stack(spec)):
+        return 0
+    values = [prefix_of(c) for _, c in spec.children]
+    return container(spec.kind, tuple(k for k, _ in spec.children), values)
+
+
+def mask_of(spec: Any) -> Any:
+    """`optax.masked`'s mask: a full tree of bools (a stacked leaf's for all
+    its layers)."""
+    if isinstance(spec, Stack):
+        return mask_of(spec.child)
+    if isinstance(spec, Node):
+        values = [mask_of(c) for _, c in spec.children]
+        return container(spec.kind, tuple(k for k, _ in spec.children), values)
+    if isinstance(spec, Empty):
+        return optax.MaskedNode() if spec.masked else None
+    return spec.mask
+
+
+# The unrolled twin.
+
+
+def is_named(x: Any) -> bool:
+    return isinstance(x, hax.NamedArray)
+
+
+def is_entry(x: Any) -> bool:
+    return isinstance(x, (int, clipax.LayerAxes))
+
+
+def children(node: Any) -> tuple[list[Any], Any]:
+    return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)
+
+
+def cut_array(skip: int = 0) -> Any:
+    """Cuts a leaf (an array, a NamedArray) at a layer index; its layer axes
+    count after its first `skip` axes (a batch, the steps of a scan)."""
+
+    def cut(x: Any, axes: tuple[int, ...], index: tuple[int, ...]) -> Any:
+        array = x.array if is_named(x) else x
+        at = [slice(None)] * array.ndim
+        for axis, i in zip(axes, index, strict=True):
+            at[axis + skip] = i
+        out = array[tuple(at)]
+        if not is_named(x):
+            return out
+        names = [n for d, n in enumerate(x.axis_names) if d - skip not in axes]
+        return hax.NamedArray(out, tuple(names))
+
+    return cut
+
+
+def cut_stat(x: Any, axes: tuple[int, ...], index: tuple[int, ...]) -> Any:
+    """A per-layer statistic (shaped as the layers) at a layer index."""
+    del axes
+    return x[index]
+
+
+def cut_same(x: Any, axes: tuple[int, ...], index: tuple[int, ...]) -> Any:
+    del axes, index
+    return x
+
+
+def _unroll_stack(tree: Any, ref: Any, entry: Any, cut: Any) -> Any:
+    """A stack's node as a list of its layers (lists of lists, for two)."""
+    refs = jax.tree.leaves(ref, is_leaf=is_named)
+    values, treedef = jax.tree.flatten(tree, is_leaf=is_named)
+    if not refs:
+        return tree
+    shapes = [np.shape(r.array if is_named(r) else r) for r in refs]
+    axes = [layer_axes(entry, len(s)) for s in shapes]
+    (layers,) = {tuple(s[a] for a in ax) for s, ax in zip(shapes, axes, strict=True)}
+    if not layers:
+        return tree
+
+    def layer(index: tuple[int, ...]) -> Any:
+        if len(index) < len(layers):
+            return [layer((*index, i)) for i in range(layers[len(index)])]
+        return treedef.unflatten(
+            [cut(x, ax, index) for x, ax in zip(values, axes, strict=True)]
+        )
+
+    return layer(())
+
+
+def unroll(
+    tree: Any, prefix: Any, ref: Any = None, cut: Any = None, top: bool = True
+) -> Any:
+    """The unrolled twin of `tree` (its layer counts and axes read from
+    `ref`, a stacked tree of the same structure, `tree` itself for None): each
+    node holding a nonzero `prefix` entry replaced by a list of its layers,
+    each leaf cut by `cut` (`cut_array()` for None). An entry for the whole
+    tree is one per top-level child."""
+    ref = tree if ref is None else ref
+    cut = cut_array() if cut is None else cut
+    if is_entry(prefix):
+        if top and not (is_named(ref) or hasattr(ref, "shape")):
+            values, treedef = children(tree)
+            refs, _ = children(ref)
+            return treedef.unflatten(
+                [
+                    _unroll_stack(x, r, prefix, cut)
+                    for x, r in zip(values, refs, strict=True)
+                ]
+            )
+        return _unroll_stack(tree, ref, prefix, cut)
+    entries, _ = children(prefix)
+    values, treedef = children(tree)
+    refs, _ = children(ref)
+    return treedef.unflatten(
+        [
+            unroll(x, p, r, cut, top=False)
+            for x, p, r in zip(values, entries, refs, strict=True)
+        ]
+    )
+
+
+def key_paths(tree: Any) -> list[str]:
+    """Each array's `/`-joined key path (a NamedArray's ends at it)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_named)[0]
+    return [
+        "/".join(
+            str(next(getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)))
+            for k in path
+        )
+        for path, _ in flat
+    ]
+
+
+def plain(tree: Any) -> Any:
+    """NamedArrays as their arrays (so that a scan stacks them over steps)."""
+    return jax.tree.map(lambda x: x.array if is_named(x) else x, tree, is_leaf=is_named)
+
+
+# The strategies.
+
+
+def _leaf(draw: Any) -> Leaf:
+    rank = draw(st.sampled_from((0, 1, 1, 2, 2, 3)))
+    shape = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    return Leaf(
+        shape, draw(st.booleans()), draw(st.integers(0, 2**16)), draw(st.booleans())
+    )
+
+
+def _layers(draw: Any) -> tuple[int, ...]:
+    if draw(st.integers(0, 3)) == 0:  # nested stacks: two layer axes
+        return (draw(st.integers(1, 2)), draw(st.integers(1, 3)))
+    return (draw(st.integers(1, 3)),)
+
+
+def _entry(draw: Any, child: Any, layers: tuple[int, ...]) -> Any:
+    count = len(layers)
+    rank = count + min(len(leaf.shape) for leaf in spec_leaves(child))
+    how = draw(st.sampled_from(("leading", "positions", "negative")))
+    if how == "leading":
+        return count
+    if how == "negative" and count == 1:
+        return clipax.LayerAxes(-draw(st.integers(1, rank)))
+    positions = draw(
+        st.lists(st.integers(0, rank - 1), min_size=count, max_size=count, unique=True)
+    )
+    return clipax.LayerAxes(*sorted(positions))
+
+
+def _stack(draw: Any, n: int, depth: int, layers: tuple[int, ...]) -> Stack:
+    child = _body(draw, n, depth, free=False)
+    return Stack(_entry(draw, child, layers), layers, child)
+
+
+def _node(draw: Any, n: int, depth: int, free: bool) -> Any:
+    """A subtree holding `n` leaves; `free`: no stack above it."""
+    if free and draw(st.integers(0, 3)) == 0:
+        return _stack(draw, n, depth, _layers(draw))
+    return _body(draw, n, depth, free)
+
+
+def _body(draw: Any, n: int, depth: int, free: bool) -> Any:
+    if n == 1 and (depth >= 3 or draw(st.integers(0, 3)) > 0):
+        return _leaf(draw)
+    kind = draw(st.sampled_from(KINDS))
+    k = draw(st.integers(1 if depth < 2 or n == 1 else 2, min(n, 3)))
+    cuts = (
+        draw(
+            st.lists(st.integers(1, n - 1), min_size=k - 1, max_size=k - 1, unique=True)
+        )
+        if k > 1
+        else []
+    )
+    parts = np.diff([0, *sorted(cuts), n]).tolist()
+    if free and k >= 2 and draw(st.integers(0, 2)) == 0:
+        # Sibling stacks of equal layer counts, their parent's only children.
+        layers = _layers(draw)
+        kids = [_stack(draw, p, depth + 1, layers) for p in parts]
+    else:
+        kids = [_node(draw, p, depth + 1, free) for p in parts]
+    if k < 3 and draw(st.integers(0, 3)) == 0:
+        where = draw(st.integers(0, k))
+        kids.insert(where, Empty(draw(st.booleans())))
+    keys = draw(
+        st.lists(
+            st.sampled_from(NAMES), min_size=len(kids), max_size=len(kids), unique=True
+        )
+    )
+    return Node(kind, tuple(zip(keys, kids, strict=True)), draw(st.booleans()))
+
+
+@st.composite
+def cases(draw: Any) -> Case:
+    spec = _node(draw, draw(st.integers(2, 8)), 0, free=True)
+    picks = draw(
+        st.lists(
+            st.tuples(st.integers(0, 63), st.integers(1, 4)), min_size=1, max_size=3
+        )
+    )
+    depth, uniform = draw(st.integers(1, 4)), draw(st.booleans())
+    return Case(spec, depth, tuple(picks), uniform, draw(st.sampled_from(ORDERS)))
+
+
+# Layouts that must be drawn in every run (old faults: two sibling stacks read
+# as one, an entry on leaves read at their parent, NamedArrays in a stack).
+
+
+def _block(seed: int, named: bool = False) -> Node:
+    return Node(
+        "dict",
+        (
+            ("a", Leaf((2, 3), named, seed, True)),
+            ("w", Leaf((3,), False, seed + 1, False)),
+        ),
+    )
+
+
+T5 = Case(
+    Node(
+        "dict",
+        (
+            (
+                "a",
+                Node(
+                    "dict",
+                    (
+                        ("enc", Stack(1, (3,), _block(0))),
+                        ("dec", Stack(clipax.LayerAxes(1), (3,), _block(2, True))),
+                    ),
+                ),
+            ),
+        ),
+    ),
+    depth=3,
+    picks=((0, 2), (3, 3)),
+    uniform=True,
+)
+ON_LEAVES = Case(
+    Node(
+        "module",
+        (
+            (
+                "",
+                Node(
+                    "namedtuple",
+                    (
+                        ("", Stack(1, (2,), Leaf((2, 2), True, 4, True))),
+                        (
+                            "",
+                            Stack(
+                                clipax.LayerAxes(-1), (2,), Leaf((3,), False, 5, False)
+                            ),
+                        ),
+                    ),
+                ),
+            ),
+            ("", Leaf((4,), False, 6, True)),
+            ("", Empty(masked=False)),
+        ),
+    ),
+    depth=2,
+    picks=((1, 3),),
+    uniform=False,
+)
+NESTED = Case(
+    Stack(
+        clipax.LayerAxes(0, 2),
+        (2, 3),
+        Node(
+            "list",
+            (
+                ("", Leaf((2, 2), True, 7, True)),
+                (
+                    "",
+                    Node(
+                        "tuple",
+                        (("", Leaf((1,), False, 8, False)), ("", Empty(masked=True))),
+                    ),
+                ),
+            ),
+        ),
+    ),
+    depth=2,
+    picks=((5, 2), (0, 1)),
+    uniform=True,
+)
+
+
+# The runs.
+
+
+@dataclasses.dataclass
+class Inputs:
+    a: Any  # the gradients at a step: a * scale + b * mix
+    b: Any
+    params: Any
+    batch: Any  # per-example gradients
+    mask: Any  # optax.masked's
+
+
+def inputs(case: Case) -> tuple[Inputs, Inputs, Any]:
+    """The stacked inputs, the twin's, and the `stacked=` prefix."""
+    spec, prefix = case.spec, prefix_of(case.spec)
+    s = Inputs(
+        build(spec, 0),
+        build(spec, 1),
+        build(spec, 2),
+        build(spec, 3, BATCH),
+        mask_of(spec),
+    )
+    twin = Inputs(
+        unroll(s.a, prefix),
+        unroll(s.b, prefix),
+        unroll(s.params, prefix),
+        unroll(s.batch, prefix, s.a, cut_array(1)),
+        unroll(s.mask, prefix, s.a, cut_same),
+    )
+    return s, twin, prefix
+
+
+def rules(stacked: Any, mask: Any, min_rank: int) -> dict[str, Any]:
+    out = {
+        "clip_by_norm": clipax.clip_by_norm(1.0, stacked=stacked),
+        "adaptive_grad_clip": clipax.adaptive_grad_clip(0.05, stacked=stacked),
+        "adagc": clipax.adagc(warmup_steps=1, stacked=stacked),
+        "stable_spam": clipax.stable_spam(
+            optax.sgd(0.1), reset_every=None, stacked=stacked
+        ),
+        "clip_by_block_rms": clipax.clip_by_block_rms(0.5, stacked=stacked),
+        "masked adagc": optax.masked(
+            clipax.adagc(warmup_steps=1, stacked=stacked), mask
+        ),
+        "masked adaptive_grad_clip": optax.masked(
+            clipax.adaptive_grad_clip(0.05, stacked=stacked), mask
+        ),
+    }
+    if min_rank >= 1:  # counted within one layer
+        out["clip_by_norm axes=-1"] = clipax.clip_by_norm(0.5, axes=-1, stacked=stacked)
+    return out
+
+
+def assert_well_formed(tree: Any, what: str) -> None:
+    """Each NamedArray's axes fit its array (else its `.axes` raises)."""
+    for x in jax.tree.leaves(tree, is_leaf=is_named):
+        if is_named(x):
+            assert np.ndim(x.array) == len(x.axis_names), (what, x.axis_names)
+
+
+def train(x: Inputs, stacked: Any, case: Case, prefixes: list[str]) -> tuple:
+    """Every rule over the scan's steps, in one jitted function: each step's
+    updates and logs (`metrics`, and `group_norms` beside AdaGC's), and the
+    logs read from the last states."""
+    min_rank = min(len(leaf.shape) for leaf in spec_leaves(case.spec))
+    txs = rules(stacked, x.mask, min_rank)
+
+    def norms(grads: Any) -> clipax.Metrics:
+        by_depth = clipax.tree.group_norms(
+            grads, depth=case.depth, stacked=stacked, key_prefix="grads"
+        )
+        return by_depth | clipax.tree.group_norms(
+            grads, prefixes=prefixes, stacked=stacked, key_prefix="pre"
+        )
+
+    @jax.jit
+    def run(a: Any, b: Any, params: Any) -> tuple:
+        def grads_at(scale: Any, mix: Any) -> Any:
+            return jax.tree.map(lambda u, v: u * scale + v * mix, a, b)
+
+        def step(states: dict, at: tuple) -> tuple:
+            grads = grads_at(*at)
+            updates, logs, new = {}, {}, {}
+            for name, tx in txs.items():
+                u, new[name] = tx.update(grads, states[name], params)
+                assert_well_formed((u, new[name]), name)
+                updates[name] = plain(u)
+                logs[name] = clipax.metrics(new[name])
+            logs["adagc"] = logs["adagc"] | norms(grads)
+            return new, (updates, logs)
+
+        states = {name: tx.init(params) for name, tx in txs.items()}
+        states, (updates, logs) = jax.lax.scan(step, states, (SCALES, MIXES))
+        final = {name: clipax.metrics(s) for name, s in states.items()}
+        final["adagc"] = final["adagc"] | norms(grads_at(SCALES[-1], MIXES[-1]))
+        return updates, logs, final
+
+    return run(x.a, x.b, x.params)
+
+
+def as_float(x: Any) -> np.ndarray:
+    return np.asarray(x, np.float64)
+
+
+def assert_same_logs(got: Any, want: Any, what: str, shape: tuple = ()) -> None:
+    """The same keys, in the same order, and the same values (of `shape`)."""
+    only_got, only_want = set(got) - set(want), set(want) - set(got)
+    assert not only_got and not only_want, (
+        f"{what}: the stacked tree's keys are not its twin's: only stacked "
+        f"{sorted(only_got)[:6]}, only twin {sorted(only_want)[:6]}"
+    )
+    assert list(got) == list(want), f"{what}: the same keys, in another order"
+    for key in want:
+        g, w = as_float(got[key]), as_float(want[key])
+        assert g.shape == w.shape == shape, (what, key, g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{what} {key}")
+
+
+def assert_series_end_in(series: Any, final: Any, what: str) -> None:
+    """Logs stacked over steps read as series, each ending in the value read
+    from the last state."""
+    assert list(series) == list(final), what
+    for key in final:
+        np.testing.assert_allclose(
+            as_float(series[key])[-1],
+            as_float(final[key]),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=f"{what} {key}",
+        )
+
+
+def per_tensor(keys: Any, rule: str) -> list[str]:
+    """The keys of a rule's per-tensor statistics (not its scalars)."""
+    return [k for k in keys if k.startswith(f"{rule}/") and k.count("/") >= 2]
+
+
+def pick_prefixes(case: Case, paths: list[str]) -> list[str]:
+    """group_norms' `prefixes`: a few of the twin's paths, cut short."""
+    picked = ["/".join(paths[i % len(paths)].split("/")[:n]) for i, n in case.picks]
+    return list(dict.fromkeys(p for p in picked if p))
+
+
+# The stat each rule keeps per tensor, to check the twin's keys by.
+STATS = {"clip_by_norm": "norm", "adagc": "ema", "stable_spam": "m_norm"}
+
+
+@TWINS
+@given(case=cases())
+@example(case=T5)
+@example(case=ON_LEAVES)
+@example(case=NESTED)
+def test_rules_and_their_logs_equal_the_unrolled_twin(case: Case) -> None:
+    stacked, twin, prefix = inputs(case)
+    paths = key_paths(twin.a)
+    prefixes = pick_prefixes(case, paths)
+    s_updates, s_logs, s_final = train(stacked, prefix, case, prefixes)
+    t_updates, t_logs, t_final = train(twin, None, case, prefixes)
+    assert list(s_logs) == list(t_logs)
+    for name in t_logs:
+        if name in STATS:  # the twin's keys: its own key paths, in order
+            stat = STATS[name]
+            assert [k for k in per_tensor(t_final[name], name) if k.endswith(stat)] == [
+                f"{name}/{p}/{stat}" for p in paths
+            ]
+        assert_same_logs(s_logs[name], t_logs[name], name, (STEPS,))
+        assert_series_end_in(s_logs[name], s_final[name], f"stacked {name}")
+        assert_series_end_in(t_logs[name], t_final[name], f"twin {name}")
+        chex.assert_trees_all_close(
+            unroll(s_updates[name], prefix, stacked.a, cut_array(1)),
+            t_updates[name],
+            rtol=RTOL,
+            atol=ATOL,
+        )
+    # Under `optax.masked`, the masked arrays' keys are gone and no other moved.
+    applies = dict(zip(paths, jax.tree.leaves(twin.mask), strict=True))
+    kept = [
+        k
+        for k in per_tensor(t_final["adagc"], "adagc")
+        if applies[k[len("adagc/") : k.rindex("/")]]
+    ]
+    assert per_tensor(s_final["masked adagc"], "adagc") == kept
+    assert per_tensor(t_final["masked adagc"], "adagc") == kept
+
+
+@TWINS
+@given(case=cases())
+@example(case=T5)
+@example(case=ON_LEAVES)
+@example(case=NESTED)
+def test_per_example_clip_and_group_norms_equal_the_unrolled_twin(case: Case) -> None:
+    stacked, twin, prefix = inputs(case)
+    prefixes = pick_prefixes(case, key_paths(twin.a))
+
+    def tree_fns(stacked: Any) -> Any:
+        @jax.jit
+        def run(batch: Any) -> tuple:
+            summed, clipped = clipax.tree.per_example_layer_norm_clip(
+                batch, 2.0, case.uniform, stacked=stacked
+            )
+            return plain(summed), clipped
+
+        return run
+
+    s_summed, s_clipped = tree_fns(prefix)(stacked.batch)
+    t_summed, t_clipped = tree_fns(None)(twin.batch)
+    chex.assert_trees_all_close(
+        unroll(s_summed, prefix, stacked.a), t_summed, rtol=RTOL, atol=ATOL
+    )
+    chex.assert_trees_all_equal(
+        unroll(s_clipped, prefix, stacked.a, cut_stat), t_clipped
+    )
+    # group_norms outside jit, of another order.
+    for kwargs in ({"depth": case.depth}, {"prefixes": prefixes}):
+        assert_same_logs(
+            clipax.tree.group_norms(stacked.a, stacked=prefix, ord=case.ord, **kwargs),
+            clipax.tree.group_norms(twin.a, ord=case.ord, **kwargs),
+            f"group_norms {kwargs} ord={case.ord}",
+        )
