@@ -588,6 +588,12 @@ def test_equinox_prefix_works_as_returned_and_none_fields_move_no_key() -> None:
     assert [k for k in norms if k.startswith("layers/")] == [
         f"layers/{i}/norm" for i in range(L)
     ]
+    # Under inject_hyperparams a callable prefix is static, as the docs say.
+    injected = optax.inject_hyperparams(
+        clipax.adagc, static_args=("stacked", "warmup_steps")
+    )(stacked=prefix, warmup_steps=1)
+    _, injected_state = jax.jit(injected.update)(params, injected.init(params))
+    assert injected_state.inner_state.ema.layers.linear.weight.shape == (L,)
 
 
 def test_compiles_once_with_the_layer_axis_second() -> None:
