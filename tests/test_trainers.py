@@ -443,3 +443,16 @@ def test_stable_spam_keeps_its_dtypes_with_x64() -> None:
         assert jax.tree.map(lambda x: x.dtype, after) == jax.tree.map(
             lambda x: x.dtype, state
         )
+
+
+def test_stable_spam_a_tiny_nonzero_gradient_keeps_its_sign() -> None:
+    # A tensor whose norm is below `eps`: AdaGN's denominator sqrt(v_hat) + eps
+    # stays positive (float64 NumPy of the rule's first step: no AdaClip,
+    # m_hat = n, v_hat = n**2, so the update is g / (n + eps)).
+    g = np.array([3e-11, -4e-11])
+    tx = clipax.stable_spam(optax.identity(), eps=1e-8, reset_every=None)
+    grads = {"w": jnp.asarray(g, jnp.float32)}
+    updates, _ = jax.jit(tx.update)(grads, tx.init(grads))
+    want = g / (np.linalg.norm(g) + 1e-8)
+    np.testing.assert_allclose(updates["w"], want, rtol=1e-5)
+    assert np.all(np.sign(updates["w"]) == np.sign(g))
