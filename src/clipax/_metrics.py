@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from clipax import _engine, _states
-from clipax._checks import short_repr
+from clipax._checks import is_traced, short_repr
 from clipax._leaves import (
     Stacks,
     flat_keys,
@@ -70,7 +70,7 @@ class Metrics(Mapping[str, Any]):
         self._arrays = list(arrays)
         self._where = where  # key -> (array, flat index into it or None)
         self._host: list[Any] | None = None
-        self._traced = any(isinstance(a, jax.core.Tracer) for a in self._arrays)
+        self._traced = any(is_traced(a) for a in self._arrays)
 
     def __getitem__(self, key: str) -> Any:
         j, index = self._where[key]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clipax import _states
+from clipax._checks import is_traced
 from clipax._leaves import path_str
 
 PyTree = Any
@@ -101,7 +102,7 @@ def _leaf(old: Any, new: Any, where: str) -> Any:
     if not isinstance(old, jax.Array):
         old = np.asarray(old)
     value = old if old_dtype == new_dtype else old.astype(new_dtype)
-    if isinstance(new, jax.core.Tracer) or isinstance(old, jax.core.Tracer):
+    if is_traced(new) or is_traced(old):
         return jnp.asarray(value)  # under jax.jit
     if isinstance(new, jax.Array):
         return jax.device_put(value, new.sharding)

@@ -10,9 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from clipax import _checks, _engine, _leaves
-from clipax._metrics import Metrics
-
-SEPARATOR = "/"
+from clipax._metrics import SEPARATOR, Metrics
 
 
 def group_norms(
