@@ -1,10 +1,11 @@
 """clipax: gradient clipping for JAX.
 
-Value, per-leaf norm and global-norm clipping, and adaptive rules (AutoClip,
-ZClip, AdaGC, AGC, block RMS, per-example DP clipping), as Optax transformations
-and as pure functions on pytrees in `clipax.tree`; norms accumulated in float32,
-jit- and sharding-ready, per layer of stacked (scanned) models, with the
-pre-clip norm and the clipping statistics in opt_state.
+Value, per-leaf norm and global-norm clipping, adaptive rules (AutoClip, ZClip,
+AdaGC, AGC, block RMS, per-example DP clipping) and QK-Clip, as Optax
+transformations and as pure functions on pytrees in `clipax.tree`; norms
+accumulated in float32, jit- and sharding-ready, per layer of stacked
+(scanned) models, with the pre-clip norm and the clipping statistics in
+opt_state.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -28,6 +29,8 @@ from clipax._nonfinite import NonFiniteError as NonFiniteError
 from clipax._nonfinite import nonfinite_errors as nonfinite_errors
 from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
+from clipax._qk_clip import QKClipState as QKClipState
+from clipax._qk_clip import qk_clip as qk_clip
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
 from clipax._stable_spam import StableSpamState as StableSpamState
@@ -49,6 +52,7 @@ __all__ = [
     "LayerAxes",
     "Metrics",
     "NonFiniteError",
+    "QKClipState",
     "SkipSpikesState",
     "StableSpamState",
     "ZClipState",
@@ -64,6 +68,7 @@ __all__ = [
     "metrics",
     "migrate_state",
     "nonfinite_errors",
+    "qk_clip",
     "skip_spikes",
     "stable_spam",
     "stacked_prefix",

@@ -201,6 +201,14 @@ def complete(
     return out
 
 
+def varying(x: Any) -> list[str]:
+    """The manual mesh axes `x` varies over inside `shard_map` (`vma`; JAX
+    0.10 calls it `mat.varying`); none outside."""
+    aval = jax.typeof(x)
+    axes = getattr(getattr(aval, "mat", None), "varying", getattr(aval, "vma", ()))
+    return sorted(axes or ())
+
+
 def pmax_all(value: jax.Array, axes: Sequence[MeshAxes]) -> jax.Array:
     """pmax over every mesh axis in `axes`, in one collective: max is
     idempotent, so a value already equal across some of them is unchanged."""

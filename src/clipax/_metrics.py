@@ -123,14 +123,6 @@ def _clip_facts(norm: Any, threshold: Any) -> dict[str, Any]:
     }
 
 
-def _varying(x: Any) -> list[str]:
-    """The manual mesh axes `x` varies over inside `shard_map` (`vma`; JAX
-    0.10 calls it `mat.varying`)."""
-    aval = jax.typeof(x)
-    axes = getattr(getattr(aval, "mat", None), "varying", getattr(aval, "vma", ()))
-    return sorted(axes or ())
-
-
 def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict]:
     """One clipax state's statistics as arrays, and each key's place in them:
     its 0-d fields, and per-tensor fields as one vector each (every tensor's
@@ -163,7 +155,7 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
         flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
         paths, values = [p for p, _ in flat[0]], [unwrap(v) for _, v in flat[0]]
         for path, v in zip(paths, values, strict=True):
-            if varying := _varying(v):
+            if varying := _engine.varying(v):
                 raise ValueError(
                     f"`clipax.metrics` got the `{field}` of the leaf at "
                     f"{path_str(path)} split across devices (it varies over the "

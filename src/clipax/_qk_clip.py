@@ -1,0 +1,327 @@
+"""QK-Clip (Kimi K2's MuonClip): attention heads' query and key weights rescaled
+after the optimizer step, so that each head's largest logit is at most the
+threshold."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.typing import ArrayLike
+
+from clipax import _checks, _engine, _leaves, _states
+from clipax._leaves import KeyPath, Leaf, path_str
+
+
+@_states.declare(
+    "qk_clip", per_tensor={"max_logit": "max_logit", "clipped_heads": "clipped_heads"}
+)
+class QKClipState(NamedTuple):
+    """State of `qk_clip`: what the last update saw, per attention module."""
+
+    max_logit: chex.ArrayTree  # the params' containers, holding at each
+    # attention module a float32 scalar (a vector, one per layer, for a
+    # stacked module): its largest attention logit; None elsewhere
+    clipped_heads: chex.ArrayTree  # likewise, int32: its heads clipped
+    stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
+
+
+class _Module(NamedTuple):
+    path: KeyPath
+    parts: tuple[list[Leaf], list[Leaf]]  # its query leaves and its key leaves
+    layers: tuple[int, ...]
+    heads: tuple[int, int]  # query heads, key heads
+
+
+def _logits_at(tree: Any, path: KeyPath) -> jax.Array:
+    """The logits `tree` holds for the module at `path`: an array, a linen
+    `sow`'s tuple (their max) or an NNX intermediate, as the module's entry
+    or under its `"max_logits"`.
+
+    Raises:
+      ValueError: naming the path, where `tree` holds no array there.
+    """
+    node = tree
+    for end, key in enumerate(path, 1):
+        name, node = _leaves.path_keys((key,))[0], _leaves.unwrap(node)
+        try:
+            if isinstance(node, Mapping):
+                node = node[name]
+            elif isinstance(node, Sequence):
+                node = node[int(name)]
+            else:
+                node = getattr(node, name)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            node = None
+        if node is None:
+            raise ValueError(
+                f"`max_logits` has no entry for the attention module at "
+                f"{path_str(path)}: it holds nothing at {path_str(path[:end])}. It "
+                "must mirror `params` down to each module (docs/qk-clip.md)."
+            )
+    node = _leaves.unwrap(node)
+    if isinstance(node, Mapping) and "max_logits" in node:
+        node = _leaves.unwrap(node["max_logits"])
+    if isinstance(node, (tuple, list)) and node:
+        node = jnp.max(jnp.stack(node), axis=0)
+    if not hasattr(node, "shape"):
+        raise ValueError(
+            f"`max_logits` holds {_checks.short_repr(node)} for the attention module "
+            f"at {path_str(path)}; it takes an array whose last axis is the heads."
+        )
+    return jnp.asarray(node)
+
+
+def _placed(values: jax.Array, leaf: Leaf, axes: list[int]) -> jax.Array:
+    """`values`, whose dims are the leaf's `axes` in that order, shaped to
+    broadcast against the leaf."""
+    shape = [1] * leaf.x.ndim
+    for a in axes:
+        shape[a] = leaf.x.shape[a]
+    return jnp.transpose(values, np.argsort(axes)).reshape(shape)
+
+
+def qk_clip(
+    threshold: ArrayLike = 100.0,
+    *,
+    alpha: ArrayLike = 0.5,
+    query: str = "query",
+    key: str = "key",
+    head_axis: int = -2,
+    rope_dim: int = 0,
+    key_dim: int | None = None,
+    stacked: Any = None,
+    axis_name: str | Sequence[str] | None = None,
+    specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Rescales the query and key weights of every attention head whose largest
+    logit exceeded `threshold`, so that it is at most `threshold`.
+
+    QK-Clip (Kimi K2's MuonClip), last in a chain, after the optimizer: for a
+    head whose largest logit of the step, `S`, is above `threshold`,
+    `eta = threshold / S`; its query weights take `eta**alpha`, its key
+    weights `eta**(1 - alpha)`, so its logits shrink by `eta`. A module is a
+    node of `params` holding a `query` and a `key` child; `max_logits`
+    mirrors `params` down to each module, holding its logits, heads last
+    (docs/qk-clip.md says how to sow them). GQA/MQA: a key head takes its
+    group's smallest `eta**(1 - alpha)`, each query head the rest, so each
+    head's logits shrink by exactly its own `eta`. MLA: a query head's last
+    `rope_dim` entries take `eta`; with `key_dim` a key head's first
+    `key_dim` entries alone are scaled. Heads under the threshold, and every
+    other leaf, pass as they came; a NaN or inf logit leaves its head.
+
+    Args:
+      threshold: the largest logit allowed (tau), a finite real > 0 or an array.
+      alpha: the query's share of the scaling, in [0, 1].
+      query, key: the names of the projections' nodes in a module.
+      head_axis: the heads' axis of each projection leaf, within one layer.
+      rope_dim: a query head's trailing entries (on the axis after
+        `head_axis`) that take `eta` whole (MLA's rotary part), an int >= 0.
+      key_dim: None (all), or how many leading entries of a key head are
+        scaled (a fused key/value projection), an int >= 1.
+      stacked: None, or a prefix of the params (docs/stacked-layers.md).
+      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
+        split (docs/scaling-out.md).
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs` whose state is a
+      `QKClipState`; its `update` takes `params` and `max_logits=`.
+
+    Raises:
+      ValueError: if an argument is not accepted, `params` holds no module,
+        or `params` or `max_logits` is missing or does not fit a module.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> import clipax
+      >>> params = {"attn": {"query": jnp.ones((4, 2, 3)), "key": jnp.ones((4, 2, 3))}}
+      >>> tx = clipax.qk_clip(100.0)
+      >>> zeros = jax.tree.map(jnp.zeros_like, params)
+      >>> logits = {"attn": jnp.array([[400.0, 50.0]])}  # (batch, heads)
+      >>> updates, state = tx.update(zeros, tx.init(params), params, max_logits=logits)
+      >>> (params["attn"]["query"] + updates["attn"]["query"])[0, :, 0]
+      Array([0.5, 1. ], dtype=float32)
+      >>> state.max_logit["attn"], state.clipped_heads["attn"]
+      (Array(400., dtype=float32), Array(1, dtype=int32))
+
+    References:
+      Kimi Team, `Kimi K2 <https://arxiv.org/abs/2507.20534>`_, 2025.
+    """
+    threshold = _checks.positive("threshold", threshold)
+    alpha = _checks.number("alpha", alpha, "a real number in [0, 1]", low=0, high=1)
+    head_axis = _checks.integer("head_axis", head_axis, minimum=-64)
+    rope_dim = _checks.integer("rope_dim", rope_dim, minimum=0)
+    if key_dim is not None:
+        key_dim = _checks.integer("key_dim", key_dim)
+    checked = _leaves.reader(
+        "qk_clip", stacked=stacked, specs=specs, axis_name=axis_name
+    )
+
+    def is_module(node: Any) -> bool:
+        if hasattr(node, "dtype") or _leaves.is_wrapper(node):
+            return False
+        return {query, key} <= {
+            _states.key_name(k) for k, _ in _states.children(node)[0]
+        }
+
+    def modules(tree: Any, leaves: _leaves.Leaves) -> list[_Module]:
+        """Every attention module of `tree`, with its leaves in `leaves`.
+
+        Raises:
+          ValueError: if `tree` holds no module, or a module's projections
+            differ in layers or heads (naming it).
+        """
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]
+        found = []
+        for path in [p for p, x in flat if is_module(x)]:
+            parts = tuple(
+                [
+                    leaf
+                    for leaf in leaves
+                    if leaf.path[: len(path)] == path
+                    and len(leaf.path) > len(path)
+                    and _states.key_name(leaf.path[len(path)]) == name
+                ]
+                for name in (query, key)
+            )
+            shapes = [
+                {
+                    (leaf.layers, leaf.x.shape[leaf.within((head_axis,))[0]])
+                    for leaf in p
+                }
+                for p in parts
+            ]
+            (layers, nq), (k_layers, nk) = (
+                next(iter(s)) if len(s) == 1 else (None, 0) for s in shapes
+            )
+            if layers is None or layers != k_layers or not nk or nq % nk:
+                raise ValueError(
+                    f"`qk_clip` needs, in the attention module at {path_str(path)}, "
+                    f"query and key leaves of one layer count, whose key heads "
+                    f"divide the query heads (GQA); got (layers, heads) "
+                    f"{sorted(shapes[0])} and {sorted(shapes[1])}."
+                )
+            found.append(_Module(path, parts, layers, (nq, nk)))
+        if not found:
+            raise ValueError(
+                f"`qk_clip` found no attention module in `params`: no node holds a "
+                f"{query!r} and a {key!r} child (name them with `query=`, `key=`)."
+            )
+        return found
+
+    def stats(tree: Any, values: dict[KeyPath, Any]) -> Any:
+        """`tree`'s containers with `values` at its modules, None elsewhere."""
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: values.get(p),
+            tree,
+            is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
+        )
+
+    def state_of(
+        tree: Any, found: list[_Module], peaks: dict, counts: dict
+    ) -> QKClipState:
+        depths = tuple(
+            None if m.parts[0][0].root is None else len(m.parts[0][0].root)
+            for m in found
+        )
+        stacks = _leaves.Stacks(depths if any(d is not None for d in depths) else ())
+        return QKClipState(stats(tree, peaks), stats(tree, counts), stacks)
+
+    def init_fn(params: optax.Params) -> QKClipState:
+        found = modules(params, checked(params))
+        zeros = {m.path: jnp.zeros(m.layers, jnp.float32) for m in found}
+        counts = {m.path: jnp.zeros(m.layers, jnp.int32) for m in found}
+        return state_of(params, found, zeros, counts)
+
+    def rescaled(leaf: Leaf, w: Any, base: jax.Array, rest: Any, cut: Any) -> Any:
+        """`leaf`'s update such that the parameter `w` plus it is `w` plus the
+        incoming update, scaled by `base` per head (by `rest` in a head's
+        entries from `cut(size)` on, where `cut` is given); where the scale
+        is 1, the incoming update itself."""
+        head = leaf.within((head_axis,))[0]
+        axes = [*leaf.layer_axes, head]
+        if cut is not None:
+            within = leaf.inner
+            if within.index(head) + 1 == len(within):
+                raise ValueError(
+                    f"`qk_clip` splits a head of the leaf at {path_str(leaf.path)} "
+                    f"(`rope_dim`, `key_dim`) on the axis after `head_axis`, and its "
+                    f"shape {tuple(leaf.x.shape)} has none."
+                )
+            dim = within[within.index(head) + 1]
+            inside = jnp.arange(leaf.x.shape[dim]) < cut(leaf.x.shape[dim])
+            base = jnp.where(inside, base[..., None], rest[..., None])
+            axes.append(dim)
+        scale = _placed(base, leaf, axes)
+        acc = _leaves.accum_dtype(leaf.x.dtype)
+        w = jnp.asarray(w).astype(acc)
+        clipped = (w + leaf.x.astype(acc)) * scale - w
+        return jnp.where(scale == 1, leaf.x, clipped.astype(leaf.x.dtype))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: QKClipState,
+        params: optax.Params | None = None,
+        *,
+        max_logits: Any = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, QKClipState]:
+        del state, extra_args  # the state holds only what the last step saw
+        leaves = checked(updates)
+        weights = _leaves.params_of(leaves, updates, params, "qk_clip")
+        if max_logits is None:
+            raise ValueError(
+                "`qk_clip` rescales heads by the step's largest attention logits: "
+                "call `tx.update(updates, state, params, max_logits=...)`."
+            )
+        index = {leaf.path: i for i, leaf in enumerate(leaves)}
+        out = list(leaves.arrays)
+        tau = jnp.asarray(threshold, jnp.float32)
+        found = modules(params, leaves)
+        peaks, counts = {}, {}
+        for m in found:
+            (nq, nk), n = m.heads, len(m.layers)
+            logits = _logits_at(max_logits, m.path)
+            if (
+                logits.ndim <= n
+                or logits.shape[:n] != m.layers
+                or logits.shape[-1] != nq
+            ):
+                raise ValueError(
+                    f"`max_logits` for the attention module at {path_str(m.path)} "
+                    f"has shape {logits.shape}; it needs the module's layers "
+                    f"{m.layers} first and its {nq} query heads last."
+                )
+            s = jnp.max(
+                logits.astype(jnp.float32), axis=tuple(range(n, logits.ndim - 1))
+            )
+            first = m.parts[0][0]
+            heads = first.split([*first.layer_axes, first.within((head_axis,))[0]])
+            # The batch may be split across devices: the max over the rest.
+            s = _engine.pmax_all(s, [tuple(set(_engine.varying(s)) - set(heads))])
+            over = jnp.isfinite(s) & (s > tau)
+            eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
+            k_scale = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
+            k_scale = k_scale ** (1 - alpha)
+            q_scale = eta / jnp.repeat(k_scale, nq // nk, axis=-1)
+            q_cut = (lambda size: size - rope_dim) if rope_dim else None
+            k_cut = None if key_dim is None else (lambda size: key_dim)
+            for part, base, rest, cut in (
+                (m.parts[0], q_scale, eta, q_cut),
+                (m.parts[1], k_scale, jnp.ones_like(k_scale), k_cut),
+            ):
+                for leaf in part:
+                    i = index[leaf.path]
+                    out[i] = rescaled(leaf, weights[i], base, rest, cut)
+            head_split = [first.split([first.within((head_axis,))[0]])]
+            peaks[m.path] = _engine.pmax_all(jnp.max(s, axis=-1), head_split)
+            clipped = jnp.sum(over, axis=-1, dtype=jnp.int32)
+            counts[m.path] = _engine.complete([clipped], head_split)[0]
+        return leaves.rebuild(out), state_of(params, found, peaks, counts)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

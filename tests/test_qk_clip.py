@@ -1,0 +1,399 @@
+"""QK-Clip: each head over the threshold has its query and key weights rescaled
+so that its largest logit is the threshold, for MHA, GQA, MQA and MLA.
+
+Checked against a float64 NumPy reference of the formula, and by the property
+that matters: the attention recomputed on the same batch with the clipped
+weights has every head's largest logit at min(S_h, tau). Stacked equals
+unrolled, sharded equals one device, and heads under the threshold pass bit
+for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import clipax
+
+D, DH, B, T = 8, 4, 3, 5  # model width, head width, batch, tokens
+TAU = 15.0
+
+
+def attention_params(rng: np.random.Generator, nq: int, nk: int, **extra: Any) -> dict:
+    """An attention module's query and key projections (kernel and bias),
+    heads on axis -2, sized so that some heads' logits pass TAU."""
+
+    def proj(heads: int, top: float) -> dict:
+        spread = np.linspace(top, 0.3, heads)[:, None]  # heads over and under
+        return {
+            "kernel": rng.normal(size=(D, heads, DH)) * spread,
+            "bias": rng.normal(size=(heads, DH)) * 0.3,
+        }
+
+    return {"query": proj(nq, 1.2), "key": proj(nk, 1.0), **extra}
+
+
+def logits(module: dict, x: np.ndarray, rope_dim: int = 0, key_dim: Any = None) -> Any:
+    """Every head's attention logits (batch, heads, q, k), float64; with MLA
+    (`rope_dim`), the query's last `rope_dim` entries meet a key shared by all
+    heads, `module["rope_key"]`."""
+    q = (
+        np.einsum("btd,dhe->bthe", x, module["query"]["kernel"])
+        + module["query"]["bias"]
+    )
+    k = np.einsum("btd,dhe->bthe", x, module["key"]["kernel"]) + module["key"]["bias"]
+    k = k[..., :key_dim] if key_dim is not None else k
+    g = q.shape[2] // k.shape[2]
+    k = np.repeat(k, g, axis=2)
+    if rope_dim:
+        q_nope, q_rope = q[..., :-rope_dim], q[..., -rope_dim:]
+        k_rope = np.einsum("btd,de->bte", x, module["rope_key"])
+        s = np.einsum("bqhe,bkhe->bhqk", q_nope, k)
+        s = s + np.einsum("bqhe,bke->bhqk", q_rope, k_rope)
+    else:
+        s = np.einsum("bqhe,bkhe->bhqk", q, k)
+    return s / np.sqrt(q.shape[-1])
+
+
+def head_max(s: np.ndarray) -> np.ndarray:
+    """(batch, heads): the recipe for `max_logits` in plain attention."""
+    return np.max(s, axis=(-2, -1))
+
+
+def reference(
+    module: dict, s: np.ndarray, alpha: float, rope_dim: int = 0, key_dim: Any = None
+) -> dict:
+    """QK-Clip's rule in float64 NumPy, on a module's weights."""
+    nq, nk = module["query"]["kernel"].shape[1], module["key"]["kernel"].shape[1]
+    eta = np.where(s > TAU, TAU / s, 1.0)
+    k_scale = eta.reshape(nk, nq // nk).min(axis=1) ** (1 - alpha)
+    q_scale = eta / np.repeat(k_scale, nq // nk)
+    out = jax.tree.map(np.array, module)
+    for name in ("kernel", "bias"):
+        q = out["query"][name]
+        width = q.shape[-1]
+        q_full = np.repeat(q_scale[:, None], width, axis=1)
+        if rope_dim:
+            q_full[:, width - rope_dim :] = eta[:, None]
+        out["query"][name] = q * q_full
+        k = out["key"][name]
+        k_full = np.repeat(k_scale[:, None], k.shape[-1], axis=1)
+        if key_dim is not None:
+            k_full[:, key_dim:] = 1.0
+        out["key"][name] = k * k_full
+    return out
+
+
+LAYOUTS = {
+    "MHA": dict(nq=4, nk=4),
+    "GQA": dict(nq=4, nk=2),
+    "MQA": dict(nq=4, nk=1),
+    "MLA": dict(nq=3, nk=3, rope_dim=2, key_dim=DH - 2),
+}
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0, 0.3])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_equals_the_formula_and_caps_each_heads_logit(
+    layout: str, alpha: float
+) -> None:
+    shape = dict(LAYOUTS[layout])
+    rope_dim, key_dim = shape.pop("rope_dim", 0), shape.pop("key_dim", None)
+    rng = np.random.default_rng(0)
+    extra = {"rope_key": rng.normal(size=(D, rope_dim))} if rope_dim else {}
+    module = attention_params(rng, **shape, **extra)
+    x = rng.normal(size=(B, T, D))
+    before = logits(module, x, rope_dim, key_dim)
+    s = head_max(before).max(axis=0)
+    assert (s > TAU).any() and (s < TAU).any()  # some heads clipped, some not
+    params = {"attn": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), module)}
+    tx = clipax.qk_clip(TAU, alpha=alpha, rope_dim=rope_dim, key_dim=key_dim)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    max_logits = {"attn": jnp.asarray(head_max(before), jnp.float32)}
+    updates, state = jax.jit(tx.update)(
+        zeros, tx.init(params), params, max_logits=max_logits
+    )
+    clipped = jax.tree.map(lambda p, u: np.asarray(p + u, np.float64), params, updates)
+    want = reference(module, s, alpha, rope_dim, key_dim)
+    chex.assert_trees_all_close(clipped["attn"], want, rtol=2e-5, atol=1e-6)
+    after = head_max(logits(clipped["attn"], x, rope_dim, key_dim)).max(axis=0)
+    np.testing.assert_allclose(after, np.minimum(s, TAU), rtol=1e-5)
+    np.testing.assert_allclose(state.max_logit["attn"], s.max(), rtol=1e-6)
+    assert int(state.clipped_heads["attn"]) == int((s > TAU).sum())
+    assert clipped["attn"]["rope_key"] is not None if rope_dim else True
+    if rope_dim:  # the shared rotary key is untouched
+        np.testing.assert_array_equal(updates["attn"]["rope_key"], 0.0)
+
+
+def test_heads_under_the_threshold_and_other_leaves_pass_bit_for_bit() -> None:
+    rng = np.random.default_rng(1)
+    module = attention_params(rng, 4, 4)
+    params = {
+        "attn": jax.tree.map(jnp.asarray, module),
+        "mlp": jnp.asarray(rng.normal(size=(D, D))),
+    }
+    updates = jax.tree.map(
+        lambda a: jnp.asarray(rng.normal(size=a.shape) * 1e-3), params
+    )
+    s = jnp.array([[1.0, 60.0, 2.0, 3.0]])  # only head 1 over TAU
+    tx = clipax.qk_clip(TAU)
+    out, _ = tx.update(updates, tx.init(params), params, max_logits={"attn": s})
+    np.testing.assert_array_equal(out["mlp"], updates["mlp"])
+    for part in ("query", "key"):
+        got, came = out["attn"][part]["kernel"], updates["attn"][part]["kernel"]
+        np.testing.assert_array_equal(
+            np.delete(got, 1, axis=1), np.delete(came, 1, axis=1)
+        )
+        assert not np.array_equal(got[:, 1], came[:, 1])
+        np.testing.assert_allclose(
+            (params["attn"][part]["kernel"] + got)[:, 1],
+            (params["attn"][part]["kernel"] + came)[:, 1] * (TAU / 60.0) ** 0.5,
+            rtol=1e-6,
+        )
+
+
+def stacked_tree(rng: np.random.Generator, layers: int, axis: int) -> tuple[dict, list]:
+    """An attention module stacked over `layers` at `axis`, and its layers."""
+    units = [attention_params(rng, 4, 2) for _ in range(layers)]
+    stacked = jax.tree.map(lambda *a: np.stack(a, axis=axis), *units)
+    return stacked, units
+
+
+@pytest.mark.parametrize("axis", [0, 1], ids=["layers first", "layer axis 1"])
+def test_stacked_equals_unrolled(axis: int) -> None:
+    rng = np.random.default_rng(2)
+    layers = 3
+    stacked, units = stacked_tree(rng, layers, axis)
+    x = rng.normal(size=(B, T, D))
+    per_layer = np.stack([head_max(logits(u, x)) for u in units])  # (L, B, H)
+    entry = 1 if axis == 0 else clipax.LayerAxes(1)
+    params = {
+        "blocks": {"attn": jax.tree.map(jnp.asarray, stacked)},
+        "head": jnp.ones(D),
+    }
+    prefix = {"blocks": entry, "head": 0}
+    tx = clipax.qk_clip(TAU, stacked=prefix)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, state = jax.jit(tx.update)(
+        zeros, tx.init(params), params, max_logits={"blocks": {"attn": per_layer}}
+    )
+    unrolled = {"blocks": [{"attn": jax.tree.map(jnp.asarray, u)} for u in units]}
+    u_tx = clipax.qk_clip(TAU)
+    u_zeros = jax.tree.map(jnp.zeros_like, unrolled)
+    u_logits = {"blocks": [{"attn": per_layer[i]} for i in range(layers)]}
+    u_updates, u_state = u_tx.update(
+        u_zeros, u_tx.init(unrolled), unrolled, max_logits=u_logits
+    )
+    new = optax.apply_updates(params, updates)["blocks"]["attn"]
+    u_new = optax.apply_updates(unrolled, u_updates)["blocks"]
+    for i in range(layers):
+        got = jax.tree.map(lambda a, i=i: np.take(np.asarray(a), i, axis=axis), new)
+        chex.assert_trees_all_close(got, u_new[i]["attn"], rtol=1e-6)
+    logs, u_logs = clipax.metrics(state), clipax.metrics(u_state)
+    assert list(logs) == list(u_logs)
+    assert list(logs)[:2] == [
+        "qk_clip/blocks/0/attn/max_logit",
+        "qk_clip/blocks/1/attn/max_logit",
+    ]
+    for k in logs:
+        np.testing.assert_allclose(logs[k], u_logs[k], rtol=1e-6, err_msg=k)
+
+
+def test_the_logits_as_linen_and_nnx_sow_them() -> None:
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            q = nn.DenseGeneral((2, DH), name="query")(x)
+            k = nn.DenseGeneral((2, DH), name="key")(x)
+            s = jnp.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(DH)
+            self.sow("intermediates", "max_logits", jnp.max(s, axis=(-2, -1)))
+            return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), k)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return Attention(name="attn")(x)
+
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, D)) * 3)
+    variables = Model().init(jax.random.key(0), x)
+    _, inter = Model().apply(variables, x, mutable=["intermediates"])
+    sown = {"params": inter["intermediates"]}  # {"attn": {"max_logits": (s,)}}
+    tx = clipax.qk_clip(1.0)
+    zeros = jax.tree.map(jnp.zeros_like, variables)
+    got, state = tx.update(zeros, tx.init(variables), variables, max_logits=sown)
+    array = inter["intermediates"]["attn"]["max_logits"][0]
+    want, _ = tx.update(zeros, state, variables, max_logits={"params": {"attn": array}})
+    chex.assert_trees_all_equal(got, want)
+    assert float(state.max_logit["params"]["attn"]) == pytest.approx(float(array.max()))
+    # NNX: an Intermediate variable holding the sown tuple.
+    nnx_logits = {"params": {"attn": {"max_logits": nnx.Intermediate((array,))}}}
+    got_nnx, _ = tx.update(zeros, state, variables, max_logits=nnx_logits)
+    chex.assert_trees_all_equal(got_nnx, want)
+
+
+def test_with_muon_and_adamw_before_it() -> None:
+    rng = np.random.default_rng(4)
+    params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 4))}
+    grads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape)), params)
+    s = {"attn": jnp.array([[50.0, 1.0, 2.0, 3.0]])}
+    for optimizer in (optax.contrib.muon(1e-2), optax.adamw(1e-2)):
+        tx = optax.chain(optimizer, clipax.qk_clip(10.0))
+        alone = optimizer.update(grads, optimizer.init(params), params)[0]
+        updates, state = jax.jit(tx.update)(
+            grads, tx.init(params), params, max_logits=s
+        )
+        new = optax.apply_updates(params, updates)
+        want = optax.apply_updates(params, alone)
+        np.testing.assert_allclose(
+            new["attn"]["query"]["kernel"][:, 0],
+            want["attn"]["query"]["kernel"][:, 0] * 0.2**0.5,
+            rtol=1e-5,
+        )
+        np.testing.assert_allclose(
+            new["attn"]["key"]["kernel"][:, 1:],
+            want["attn"]["key"]["kernel"][:, 1:],
+            rtol=1e-6,
+        )
+        assert clipax.metrics(state)["qk_clip/attn/clipped_heads"] == 1
+
+
+@pytest.mark.devices(4)
+def test_sharded_heads_and_batch_equal_one_device() -> None:
+    rng = np.random.default_rng(5)
+    params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 2))}
+    batch_logits = jnp.asarray(rng.normal(size=(4, 4)) * 5)  # (batch, heads)
+    tx = clipax.qk_clip(TAU)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    want, want_state = tx.update(
+        zeros, tx.init(params), params, max_logits={"attn": batch_logits}
+    )
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    # GSPMD: the heads split over "model", the batch over "data".
+    heads = {
+        "attn": {
+            part: {"kernel": P(None, "model"), "bias": P("model")}
+            for part in ("query", "key")
+        }
+    }
+    place = lambda t, s: jax.tree.map(  # noqa: E731
+        lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), t, s
+    )
+    sharded = place(params, heads)
+    logits_sharded = {
+        "attn": jax.device_put(batch_logits, NamedSharding(mesh, P("data", "model")))
+    }
+    got, state = jax.jit(tx.update)(
+        place(zeros, heads), tx.init(params), sharded, max_logits=logits_sharded
+    )
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    # shard_map with `specs`: each device its heads and its share of the batch.
+    sm_tx = clipax.qk_clip(TAU, specs=heads)
+    state_specs = jax.tree.map(lambda _: P(), want_state)
+    update = jax.shard_map(
+        lambda u, p, s: sm_tx.update(u, sm_tx.init(p), p, max_logits={"attn": s}),
+        mesh=mesh,
+        in_specs=(heads, heads, P("data", "model")),
+        out_specs=(heads, state_specs),
+    )
+    got_sm, sm_state = jax.jit(update)(
+        place(zeros, heads), sharded, logits_sharded["attn"]
+    )
+    chex.assert_trees_all_close(got_sm, want, rtol=1e-6)
+    chex.assert_trees_all_close(sm_state, want_state)
+
+
+@pytest.mark.parametrize(
+    ("make", "call", "error", "match"),
+    [
+        (
+            lambda: clipax.qk_clip(0.0),
+            None,
+            ValueError,
+            r"`threshold` must be a finite real number > 0; got 0.0",
+        ),
+        (
+            lambda: clipax.qk_clip(float("inf")),
+            None,
+            ValueError,
+            r"`threshold` .*; got inf",
+        ),
+        (
+            lambda: clipax.qk_clip(float("nan")),
+            None,
+            ValueError,
+            r"`threshold` .*; got nan",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0, alpha=1.5),
+            None,
+            ValueError,
+            r"`alpha` must be a real number in \[0, 1\]; got 1.5",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0, rope_dim=-1),
+            None,
+            ValueError,
+            r"`rope_dim` must be an int >= 0; got -1",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0),
+            "no params",
+            ValueError,
+            r"needs a parameter|got params=None",
+        ),
+        (lambda: clipax.qk_clip(1.0), "no logits", ValueError, r"max_logits=\.\.\."),
+        (
+            lambda: clipax.qk_clip(1.0),
+            "wrong path",
+            ValueError,
+            r"no entry for the attention module at \['attn'\]: it holds nothing at \['attn'\]",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0),
+            "wrong heads",
+            ValueError,
+            r"shape \(2, 3\); it needs .* its 4 query heads last",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0),
+            "gqa",
+            ValueError,
+            r"key heads divide the query heads.*\(\(\), 4\).*\(\(\), 3\)",
+        ),
+        (
+            lambda: clipax.qk_clip(1.0, query="q"),
+            "no module",
+            ValueError,
+            r"no node holds a 'q' and a 'key' child",
+        ),
+    ],
+)
+def test_bad_input_is_refused(make: Any, call: Any, error: type, match: str) -> None:
+    rng = np.random.default_rng(6)
+    params = {
+        "attn": jax.tree.map(
+            jnp.asarray, attention_params(rng, 4, 4 if call != "gqa" else 3)
+        )
+    }
+    good = {"attn": jnp.ones((2, 4))}
+    with pytest.raises(error, match=match):
+        tx = make()
+        state = tx.init(params)
+        if call == "no params":
+            tx.update(params, state, None, max_logits=good)
+        elif call == "no logits":
+            tx.update(params, state, params)
+        elif call == "wrong path":
+            tx.update(params, state, params, max_logits={"blocks": good["attn"]})
+        elif call == "wrong heads":
+            tx.update(params, state, params, max_logits={"attn": jnp.ones((2, 3))})
