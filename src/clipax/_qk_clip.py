@@ -4,7 +4,7 @@ threshold."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import chex
@@ -39,40 +39,25 @@ class _Module(NamedTuple):
 
 
 def _logits_at(tree: Any, path: KeyPath) -> jax.Array:
-    """The logits `tree` holds for the module at `path`: an array, a linen
-    `sow`'s tuple (their max) or an NNX intermediate, as the module's entry
-    or under its `"max_logits"`.
+    """The logits `tree` holds for the module at `path`, found by its keys:
+    an array, a linen `sow`'s tuple (their max) or an NNX intermediate, as
+    the module's entry or under its `"max_logits"`.
 
     Raises:
       ValueError: naming the path, where `tree` holds no array there.
     """
-    node = tree
-    for end, key in enumerate(path, 1):
-        name, node = _leaves.path_keys((key,))[0], _leaves.unwrap(node)
-        try:
-            if isinstance(node, Mapping):
-                node = node[name]
-            elif isinstance(node, Sequence):
-                node = node[int(name)]
-            else:
-                node = getattr(node, name)
-        except (KeyError, IndexError, ValueError, AttributeError):
-            node = None
-        if node is None:
-            raise ValueError(
-                f"`max_logits` has no entry for the attention module at "
-                f"{path_str(path)}: it holds nothing at {path_str(path[:end])}. It "
-                "must mirror `params` down to each module (docs/qk-clip.md)."
-            )
-    node = _leaves.unwrap(node)
-    if isinstance(node, Mapping) and "max_logits" in node:
-        node = _leaves.unwrap(node["max_logits"])
-    if isinstance(node, (tuple, list)) and node:
+    is_entry = lambda x: isinstance(x, tuple) or _leaves.is_wrapper(x)  # noqa: E731
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_entry)[0]
+    table = {tuple(_leaves.path_keys(p)): _leaves.unwrap(x) for p, x in flat}
+    keys = tuple(_leaves.path_keys(path))
+    node = table.get((*keys, "max_logits"), table.get(keys))
+    if isinstance(node, tuple) and node:
         node = jnp.max(jnp.stack(node), axis=0)
     if not hasattr(node, "shape"):
         raise ValueError(
-            f"`max_logits` holds {_checks.short_repr(node)} for the attention module "
-            f"at {path_str(path)}; it takes an array whose last axis is the heads."
+            f"`max_logits` holds no array for the attention module at "
+            f"{path_str(path)}, where it must mirror `params` (docs/qk-clip.md); "
+            f"its entries are at {['/'.join(k) for k in list(table)[:4]]}."
         )
     return jnp.asarray(node)
 
@@ -165,9 +150,11 @@ def qk_clip(
     def is_module(node: Any) -> bool:
         if hasattr(node, "dtype") or _leaves.is_wrapper(node):
             return False
-        return {query, key} <= {
-            _states.key_name(k) for k, _ in _states.children(node)[0]
-        }
+        children = _states.children(node)[0]
+        return {query, key} <= {_states.key_name(k) for k, _ in children}
+
+    def head_of(leaf: Leaf) -> int:
+        return int(leaf.within((head_axis,), "head_axis")[0])
 
     def modules(tree: Any, leaves: _leaves.Leaves) -> list[_Module]:
         """Every attention module of `tree`, with its leaves in `leaves`.
@@ -179,34 +166,29 @@ def qk_clip(
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]
         found = []
         for path in [p for p, x in flat if is_module(x)]:
+            n = len(path)
             parts = tuple(
                 [
-                    leaf
-                    for leaf in leaves
-                    if leaf.path[: len(path)] == path
-                    and len(leaf.path) > len(path)
-                    and _states.key_name(leaf.path[len(path)]) == name
+                    x
+                    for x in leaves
+                    if x.path[:n] == path
+                    and len(x.path) > n
+                    and _states.key_name(x.path[n]) == name
                 ]
                 for name in (query, key)
             )
-            shapes = [
-                {
-                    (leaf.layers, leaf.x.shape[leaf.within((head_axis,))[0]])
-                    for leaf in p
-                }
-                for p in parts
-            ]
-            (layers, nq), (k_layers, nk) = (
-                next(iter(s)) if len(s) == 1 else (None, 0) for s in shapes
+            shapes = [{(x.layers, x.x.shape[head_of(x)]) for x in p} for p in parts]
+            if all(len(s) == 1 for s in shapes):
+                (layers, nq), (k_layers, nk) = (s.pop() for s in map(set, shapes))
+                if layers == k_layers and nq % nk == 0:
+                    found.append(_Module(path, parts, layers, (nq, nk)))
+                    continue
+            raise ValueError(
+                f"`qk_clip` needs, in the attention module at {path_str(path)}, "
+                "query and key leaves of one layer count, whose key heads divide "
+                f"the query heads (GQA); got (layers, heads) {sorted(shapes[0])} "
+                f"and {sorted(shapes[1])}."
             )
-            if layers is None or layers != k_layers or not nk or nq % nk:
-                raise ValueError(
-                    f"`qk_clip` needs, in the attention module at {path_str(path)}, "
-                    f"query and key leaves of one layer count, whose key heads "
-                    f"divide the query heads (GQA); got (layers, heads) "
-                    f"{sorted(shapes[0])} and {sorted(shapes[1])}."
-                )
-            found.append(_Module(path, parts, layers, (nq, nk)))
         if not found:
             raise ValueError(
                 f"`qk_clip` found no attention module in `params`: no node holds a "
@@ -214,49 +196,49 @@ def qk_clip(
             )
         return found
 
-    def stats(tree: Any, values: dict[KeyPath, Any]) -> Any:
-        """`tree`'s containers with `values` at its modules, None elsewhere."""
-        return jax.tree_util.tree_map_with_path(
-            lambda p, _: values.get(p),
-            tree,
-            is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
+    def state_of(tree: Any, found: list[_Module], *stats: dict) -> QKClipState:
+        """The state: `stats` (per module path) in `tree`'s containers."""
+        roots = [m.parts[0][0].root for m in found]
+        depths = tuple(None if r is None else len(r) for r in roots)
+        return QKClipState(
+            *(
+                jax.tree_util.tree_map_with_path(
+                    lambda p, _, v=v: v.get(p),
+                    tree,
+                    is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
+                )
+                for v in stats
+            ),
+            _leaves.Stacks(depths if any(r is not None for r in roots) else ()),
         )
-
-    def state_of(
-        tree: Any, found: list[_Module], peaks: dict, counts: dict
-    ) -> QKClipState:
-        depths = tuple(
-            None if m.parts[0][0].root is None else len(m.parts[0][0].root)
-            for m in found
-        )
-        stacks = _leaves.Stacks(depths if any(d is not None for d in depths) else ())
-        return QKClipState(stats(tree, peaks), stats(tree, counts), stacks)
 
     def init_fn(params: optax.Params) -> QKClipState:
         found = modules(params, checked(params))
-        zeros = {m.path: jnp.zeros(m.layers, jnp.float32) for m in found}
-        counts = {m.path: jnp.zeros(m.layers, jnp.int32) for m in found}
-        return state_of(params, found, zeros, counts)
+        return state_of(
+            params,
+            found,
+            {m.path: jnp.zeros(m.layers, jnp.float32) for m in found},
+            {m.path: jnp.zeros(m.layers, jnp.int32) for m in found},
+        )
 
     def rescaled(leaf: Leaf, w: Any, base: jax.Array, rest: Any, cut: Any) -> Any:
         """`leaf`'s update such that the parameter `w` plus it is `w` plus the
         incoming update, scaled by `base` per head (by `rest` in a head's
-        entries from `cut(size)` on, where `cut` is given); where the scale
-        is 1, the incoming update itself."""
-        head = leaf.within((head_axis,))[0]
+        entries from `cut` on, on the axis after the heads, where given);
+        where the scale is 1, the incoming update itself."""
+        inner, head = leaf.inner, head_of(leaf)
         axes = [*leaf.layer_axes, head]
         if cut is not None:
-            within = leaf.inner
-            if within.index(head) + 1 == len(within):
+            if inner.index(head) + 1 == len(inner):
                 raise ValueError(
                     f"`qk_clip` splits a head of the leaf at {path_str(leaf.path)} "
                     f"(`rope_dim`, `key_dim`) on the axis after `head_axis`, and its "
                     f"shape {tuple(leaf.x.shape)} has none."
                 )
-            dim = within[within.index(head) + 1]
-            inside = jnp.arange(leaf.x.shape[dim]) < cut(leaf.x.shape[dim])
+            axes.append(inner[inner.index(head) + 1])
+            size = leaf.x.shape[axes[-1]]
+            inside = jnp.arange(size) < (cut if cut >= 0 else size + cut)
             base = jnp.where(inside, base[..., None], rest[..., None])
-            axes.append(dim)
         scale = _placed(base, leaf, axes)
         acc = _leaves.accum_dtype(leaf.x.dtype)
         w = jnp.asarray(w).astype(acc)
@@ -280,48 +262,38 @@ def qk_clip(
                 "call `tx.update(updates, state, params, max_logits=...)`."
             )
         index = {leaf.path: i for i, leaf in enumerate(leaves)}
-        out = list(leaves.arrays)
-        tau = jnp.asarray(threshold, jnp.float32)
-        found = modules(params, leaves)
-        peaks, counts = {}, {}
+        out, tau = list(leaves.arrays), jnp.asarray(threshold, jnp.float32)
+        found, peaks, counts = modules(params, leaves), {}, {}
         for m in found:
             (nq, nk), n = m.heads, len(m.layers)
             logits = _logits_at(max_logits, m.path)
-            if (
-                logits.ndim <= n
-                or logits.shape[:n] != m.layers
-                or logits.shape[-1] != nq
-            ):
+            if logits.shape[:n] != m.layers or logits.shape[n:][-1:] != (nq,):
                 raise ValueError(
                     f"`max_logits` for the attention module at {path_str(m.path)} "
                     f"has shape {logits.shape}; it needs the module's layers "
                     f"{m.layers} first and its {nq} query heads last."
                 )
-            s = jnp.max(
-                logits.astype(jnp.float32), axis=tuple(range(n, logits.ndim - 1))
-            )
+            s = jnp.max(logits.astype(jnp.float32), tuple(range(n, logits.ndim - 1)))
             first = m.parts[0][0]
-            heads = first.split([*first.layer_axes, first.within((head_axis,))[0]])
+            heads = first.split([head_of(first)])
             # The batch may be split across devices: the max over the rest.
-            s = _engine.pmax_all(s, [tuple(set(_engine.varying(s)) - set(heads))])
+            spread = set(_engine.varying(s)) - set(first.split([*first.layer_axes]))
+            s = _engine.pmax_all(s, [tuple(spread - set(heads))])
             over = jnp.isfinite(s) & (s > tau)
             eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
             k_scale = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
             k_scale = k_scale ** (1 - alpha)
             q_scale = eta / jnp.repeat(k_scale, nq // nk, axis=-1)
-            q_cut = (lambda size: size - rope_dim) if rope_dim else None
-            k_cut = None if key_dim is None else (lambda size: key_dim)
             for part, base, rest, cut in (
-                (m.parts[0], q_scale, eta, q_cut),
-                (m.parts[1], k_scale, jnp.ones_like(k_scale), k_cut),
+                (m.parts[0], q_scale, eta, -rope_dim if rope_dim else None),
+                (m.parts[1], k_scale, jnp.ones_like(k_scale), key_dim),
             ):
                 for leaf in part:
                     i = index[leaf.path]
                     out[i] = rescaled(leaf, weights[i], base, rest, cut)
-            head_split = [first.split([first.within((head_axis,))[0]])]
-            peaks[m.path] = _engine.pmax_all(jnp.max(s, axis=-1), head_split)
+            peaks[m.path] = _engine.pmax_all(jnp.max(s, axis=-1), [heads])
             clipped = jnp.sum(over, axis=-1, dtype=jnp.int32)
-            counts[m.path] = _engine.complete([clipped], head_split)[0]
+            counts[m.path] = _engine.complete([clipped], [heads])[0]
         return leaves.rebuild(out), state_of(params, found, peaks, counts)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
