@@ -398,3 +398,45 @@ def test_bad_input_is_refused(make: Any, call: Any, error: type, match: str) -> 
             tx.update(params, state, params, max_logits={"blocks": good["attn"]})
         elif call == "wrong heads":
             tx.update(params, state, params, max_logits={"attn": jnp.ones((2, 3))})
+
+
+def test_nnx_optimizer_passes_the_intermediates() -> None:
+    class Attention(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.query = nnx.LinearGeneral(D, (2, DH), rngs=rngs)
+            self.key = nnx.LinearGeneral(D, (2, DH), rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            q, k = self.query(x), self.key(x)
+            s = jnp.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(DH)
+            self.max_logits = nnx.Intermediate(jnp.max(s, axis=(-2, -1)))
+            return jnp.einsum("bhqk,bkhe->bqhe", jax.nn.softmax(s), k)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.attn = Attention(rngs)
+
+    model = Model(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(B, T, D)) * 3)
+    tx = optax.chain(optax.sgd(0.0), clipax.qk_clip(2.0))  # the clip alone
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.sum(m.attn(x) ** 2))(model)
+    inter = nnx.pop(model, nnx.Intermediate)
+    optimizer.update(model, grads, max_logits=inter)
+    model.attn(x)
+    after = nnx.pop(model, nnx.Intermediate)["attn"]["max_logits"]
+    assert float(jnp.max(after[...])) <= 2.0 * (1 + 1e-5)
+    assert clipax.metrics(optimizer)["qk_clip/attn/clipped_heads"] >= 1
+
+
+def test_a_layer_count_that_does_not_match_is_refused() -> None:
+    rng = np.random.default_rng(8)
+    stacked, _ = stacked_tree(rng, 3, 0)
+    params = {"blocks": jax.tree.map(jnp.asarray, stacked)}
+    tx = clipax.qk_clip(1.0, stacked=1)
+    with pytest.raises(
+        ValueError, match=r"shape \(2, 5, 4\); it needs the module's layers \(3,\)"
+    ):
+        tx.update(
+            params, tx.init(params), params, max_logits={"blocks": jnp.ones((2, 5, 4))}
+        )

@@ -41,6 +41,12 @@ DECLARED = {
         {"m_max": "m_max", "m_norm": "m_norm", "v_norm": "v_norm"},
         "inner_state",
     ),
+    clipax.QKClipState: (
+        "qk_clip",
+        (),
+        {"max_logit": "max_logit", "clipped_heads": "clipped_heads"},
+        None,
+    ),
     clipax.SkipSpikesState: (
         "skip_spikes",
         tuple(
@@ -62,6 +68,7 @@ EXAMPLES = {
     clipax.AdaGCState: clipax.adagc(),
     clipax.SkipSpikesState: clipax.skip_spikes(optax.sgd(1.0)),
     clipax.StableSpamState: clipax.stable_spam(optax.sgd(1.0)),
+    clipax.QKClipState: clipax.qk_clip(1.0, query="w", key="w"),
 }
 
 
@@ -79,7 +86,7 @@ def test_every_clipax_state_class_declares_itself() -> None:
         assert declared.fields == declared.cls._fields  # type: ignore[attr-defined]
         assert callable(getattr(clipax, declared.name))  # the public factory
         # Its scalar statistics are its 0-d fields, as `metrics` reports them.
-        state = EXAMPLES[declared.cls].init({"w": jnp.ones(2)})
+        state = EXAMPLES[declared.cls].init({"w": jnp.ones((1, 2))})
         name, scalars, _, _ = DECLARED[declared.cls]
         reported = {
             key.split("/")[1]
@@ -197,6 +204,7 @@ FACTORIES = {
     "clip_by_global_norm": lambda: clipax.clip_by_global_norm(1.0),
     "clip_by_norm": lambda: clipax.clip_by_norm(1.0),
     "clip_by_value": lambda: clipax.clip_by_value(-1.0, 1.0),
+    "qk_clip": lambda: clipax.qk_clip(1.0),
     "skip_spikes": lambda: clipax.skip_spikes(optax.adam(1e-3)),
     "stable_spam": lambda: clipax.stable_spam(optax.adam(1e-3)),
     "zclip": lambda: clipax.zclip(),
@@ -222,6 +230,8 @@ def test_every_default_state_saves_and_restores_with_orbax(
     import orbax.checkpoint as ocp
 
     params = {"w": jnp.ones((2, 3)), "b": jnp.full(3, 0.5)}
+    params |= {"attn": {"query": jnp.ones((3, 2, 2)), "key": jnp.ones((3, 2, 2))}}
+    logits = {"max_logits": {"attn": jnp.array([5.0, 0.5])}}  # for qk_clip
     tx = optax.chain(FACTORIES[name](), optax.sgd(0.1))
     state = tx.init(params)
     checkpointer = ocp.StandardCheckpointer()
@@ -235,4 +245,8 @@ def test_every_default_state_saves_and_restores_with_orbax(
     restored = checkpointer.restore(tmp_path / "ckpt")
     resumed = clipax.migrate_state(restored, tx.init(params))
     chex.assert_trees_all_equal(resumed, state)
-    jax.jit(tx.update)(params, resumed, params)
+    _, stepped = jax.jit(tx.update)(params, resumed, params, **logits)
+    checkpointer.save(tmp_path / "stepped", stepped)  # a state after a step too
+    checkpointer.wait_until_finished()
+    restored = clipax.migrate_state(checkpointer.restore(tmp_path / "stepped"), state)
+    chex.assert_trees_all_equal(restored, stepped)
