@@ -16,6 +16,13 @@ least of each side counts). On the scanned model the per-tensor rules take
     PYTHONPATH=src python benchmarks/bench_train_step.py --quick     # smoke run
     PYTHONPATH=src python benchmarks/bench_train_step.py --models scanned --rule adagc
     PYTHONPATH=src python benchmarks/bench_train_step.py --logging --layers 48
+    PYTHONPATH=src python benchmarks/bench_train_step.py --rule qk_clip,adagc_bare
+
+`qk_clip` runs on the model whose attention sows each head's largest logit
+(`DenseGeneral` projections with a heads axis), against the same step with
+AdamW alone, the logits' max computed and returned in both. `adagc_bare` and
+`stable_spam_bare` hold each rule against its bare formula: a hand-written
+`jax.tree.map` version keeping the same statistics in its state.
 
 `--logging` measures what logging costs instead: on the scanned model with
 `adagc(stacked=...)`, the step that also returns `clipax.metrics(opt_state) |
@@ -48,21 +55,35 @@ MAX_NORM = 1.0
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm attention (separate q, k, v) and MLP: 16 leaves."""
+    """Pre-LayerNorm attention (separate q, k, v) and MLP: 16 leaves. With
+    `qk`, the projections keep a heads axis (`query`, `key`, `value`:
+    `DenseGeneral((heads, head_dim))`) and the attention sows each head's
+    largest logit, as QK-Clip needs (docs/qk-clip.md)."""
 
     width: int
     heads: int
+    qk: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
         batch, length, width = x.shape
         h = nn.LayerNorm()(x)
-        q, k, v = (
-            nn.Dense(width, name=n)(h).reshape(batch, length, self.heads, -1)
-            for n in ("q", "k", "v")
-        )
         mask = nn.make_causal_mask(jnp.ones((batch, length)))
-        attn = nn.dot_product_attention(q, k, v, mask=mask)
+        if self.qk:
+            q, k, v = (
+                nn.DenseGeneral((self.heads, width // self.heads), name=n)(h)
+                for n in ("query", "key", "value")
+            )
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+            logits = jnp.where(mask, logits, -jnp.inf)
+            self.sow("intermediates", "max_logits", jnp.max(logits, axis=(-2, -1)))
+            attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v)
+        else:
+            q, k, v = (
+                nn.Dense(width, name=n)(h).reshape(batch, length, self.heads, -1)
+                for n in ("q", "k", "v")
+            )
+            attn = nn.dot_product_attention(q, k, v, mask=mask)
         x = x + nn.Dense(width, name="out")(attn.reshape(batch, length, width))
         h = nn.LayerNorm()(x)
         h = nn.Dense(4 * width, name="fc")(h)
@@ -74,6 +95,7 @@ class GPT(nn.Module):
     layers: int
     heads: int
     scanned: bool
+    qk: bool = False
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -85,14 +107,14 @@ class GPT(nn.Module):
         if self.scanned:
             blocks = nn.scan(
                 Block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
                 length=self.layers,
             )
-            x, _ = blocks(self.width, self.heads, name="blocks")(x, None)
+            x, _ = blocks(self.width, self.heads, self.qk, name="blocks")(x, None)
         else:
             for i in range(self.layers):
-                x, _ = Block(self.width, self.heads, name=f"block_{i}")(x)
+                x, _ = Block(self.width, self.heads, self.qk, name=f"block_{i}")(x)
         x = nn.LayerNorm(name="ln_f")(x)
         return nn.Dense(VOCAB, name="head")(x)
 
@@ -127,6 +149,132 @@ def _per_tensor(factory: Callable[..., Any]) -> Callable[[bool], Any]:
 def _before_adamw(rule: Callable[[bool], Any]) -> Callable[[bool, Any], Any]:
     """The optimizer `chain(rule, adamw)`."""
     return lambda scanned, adamw: optax.chain(rule(scanned), adamw)
+
+
+def _layer_norms(path: Any, g: jax.Array, scanned: bool) -> jax.Array:
+    """A leaf's float32 norm, per layer for the scanned model's blocks."""
+    inner = scanned and "blocks" in jax.tree_util.keystr(path)
+    axes = tuple(range(1, g.ndim)) if inner else None
+    return jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=axes))
+
+
+def _per_layer(n: jax.Array, g: jax.Array) -> jax.Array:
+    """Per-layer values `n` shaped to broadcast against the leaf `g`."""
+    return n.reshape(n.shape + (1,) * (g.ndim - n.ndim))
+
+
+def bare_adagc(scanned: bool, adamw: Any) -> optax.GradientTransformation:
+    """AdaGC as a user writes it with `jax.tree.map` (defaults: ratio 1.04,
+    alpha 0.99, 100 warm-up steps of global clipping to 1.0), keeping the
+    statistics clipax's state keeps: each tensor's (layer's) EMA, norm and
+    threshold, the step count and the global norm."""
+    ratio, alpha, warmup = 1.04, 0.99, 100
+
+    def init(params: Any) -> tuple:
+        norms = jax.tree_util.tree_map_with_path(
+            lambda p, g: _layer_norms(p, g, scanned), params
+        )
+        full = lambda v: jax.tree.map(lambda n: jnp.full_like(n, v), norms)  # noqa: E731
+        return (
+            full(jnp.inf),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros(()),
+            full(0),
+            full(jnp.inf),
+        )
+
+    def update(updates: Any, state: tuple, params: Any = None) -> tuple:
+        del params
+        ema, count, _, _, thresholds = state
+        norms = jax.tree_util.tree_map_with_path(
+            lambda p, g: _layer_norms(p, g, scanned), updates
+        )
+        total = jnp.sqrt(sum(jnp.sum(jnp.square(n)) for n in jax.tree.leaves(norms)))
+        factor = MAX_NORM / jnp.maximum(total, MAX_NORM)
+        warming = count < warmup
+
+        def step(e: jax.Array, n: jax.Array, t: jax.Array) -> tuple:
+            unseen = e == jnp.inf
+            warm_clipped = n * factor
+            warm_ema = jnp.where(warm_clipped > 0, jnp.minimum(e, warm_clipped), e)
+            previous = jnp.where(unseen, n, e)
+            limit = ratio * previous
+            after = alpha * previous + (1 - alpha) * jnp.minimum(n, limit)
+            after = jnp.where(unseen & (n == 0), e, after)
+            new_t = jnp.where(warming, warm_clipped, limit)
+            finite = jnp.isfinite(n)
+            return (
+                jnp.where(finite, jnp.where(warming, warm_ema, after), e),
+                jnp.where(finite, new_t, t),
+            )
+
+        stepped = jax.tree.map(step, ema, norms, thresholds)
+        new_ema = jax.tree.map(lambda _, s: s[0], ema, stepped)
+        new_t = jax.tree.map(lambda _, s: s[1], ema, stepped)
+        clipped = jax.tree.map(
+            lambda g, n, t: (g * _per_layer(t / jnp.maximum(n, t), g)).astype(g.dtype),
+            updates,
+            norms,
+            new_t,
+        )
+        finite = jnp.isfinite(total)
+        state = (new_ema, count + finite, total, norms, new_t)
+        return clipped, state
+
+    return optax.chain(optax.GradientTransformation(init, update), adamw)
+
+
+def bare_stable_spam(scanned: bool, adamw: Any) -> optax.GradientTransformation:
+    """Stable-SPAM's AdaClip and AdaGN as a user writes them with
+    `jax.tree.map` (theta 0.999, gamma1 0.7, gamma2 0.9, eps 1e-8, the inner
+    state reset every 1000 steps), keeping clipax's statistics."""
+    theta, gamma1, gamma2, eps, reset = 0.999, 0.7, 0.9, 1e-8, 1000
+
+    def peaks(tree: Any) -> Any:
+        def peak(path: Any, g: jax.Array) -> jax.Array:
+            inner = scanned and "blocks" in jax.tree_util.keystr(path)
+            axes = tuple(range(1, g.ndim)) if inner else None
+            return jnp.max(jnp.abs(g.astype(jnp.float32)), axis=axes)
+
+        return jax.tree_util.tree_map_with_path(peak, tree)
+
+    def init(params: Any) -> tuple:
+        zeros = jax.tree.map(jnp.zeros_like, peaks(params))
+        return adamw.init(params), jnp.zeros((), jnp.int32), zeros, zeros, zeros
+
+    def update(updates: Any, state: tuple, params: Any = None) -> tuple:
+        inner, count, m_max, m_norm, v_norm = state
+        t = count + 1
+        steps = t.astype(jnp.float32)
+        peak = peaks(updates)
+        m_max = jax.tree.map(lambda m, p: m + (1 - theta) * (p - m), m_max, peak)
+
+        def ada_clip(g: jax.Array, m: jax.Array, p: jax.Array) -> jax.Array:
+            top = _per_layer(m / (1 - theta**steps), g)
+            scale = top / _per_layer(jnp.where(p > 0, p, 1), g)
+            g = g.astype(jnp.float32)
+            return jnp.where(jnp.abs(g) > top, g * scale, g)
+
+        clipped = jax.tree.map(ada_clip, updates, m_max, peak)
+        norms = jax.tree_util.tree_map_with_path(
+            lambda p, g: _layer_norms(p, g, scanned), clipped
+        )
+        m_norm = jax.tree.map(lambda m, n: m + (1 - gamma1) * (n - m), m_norm, norms)
+        v_norm = jax.tree.map(lambda v, n: v + (1 - gamma2) * (n**2 - v), v_norm, norms)
+
+        def ada_gn(g: Any, n: Any, m: Any, v: Any, u: Any) -> jax.Array:
+            target = (m / (1 - gamma1**steps)) / (
+                jnp.sqrt(v / (1 - gamma2**steps)) + eps
+            )
+            factor = jnp.where(n > 0, target / jnp.where(n > 0, n, 1), 1)
+            return (g * _per_layer(factor, g)).astype(u.dtype)
+
+        out = jax.tree.map(ada_gn, clipped, norms, m_norm, v_norm, updates)
+        inner = jax.lax.cond(t % reset == 0, lambda: adamw.init(params), lambda: inner)
+        out, inner = adamw.update(out, inner, params)
+        return out, (inner, t, m_max, m_norm, v_norm)
+
+    return optax.GradientTransformation(init, update)
 
 
 # The large trainers' skip rule (OLMo-core, MaxText) and Levanter's update clip.
@@ -179,7 +327,28 @@ RULES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
         _before_adamw(_optax_global),
         "optax.clip_by_global_norm",
     ),
+    "adagc_bare": (
+        _before_adamw(_per_tensor(clipax.adagc)),
+        bare_adagc,
+        "the bare AdaGC (tree.map, same state)",
+    ),
+    "stable_spam_bare": (
+        lambda scanned, adamw: clipax.stable_spam(
+            adamw, stacked=stacked if scanned else None
+        ),
+        bare_stable_spam,
+        "the bare Stable-SPAM (tree.map, same state)",
+    ),
+    "qk_clip": (
+        lambda scanned, adamw: optax.chain(
+            adamw, clipax.qk_clip(100.0, stacked=stacked if scanned else None)
+        ),
+        lambda scanned, adamw: adamw,
+        "adamw alone (the logits' max computed in both)",
+    ),
 }
+# The rules whose model sows each head's largest logit (QK-Clip's input).
+QK_RULES = {"qk_clip"}
 MODELS = {"unrolled": False, "scanned": True}
 
 
@@ -188,13 +357,14 @@ def train_step(
 ) -> optax.GradientTransformation:
     """The training step as a transformation for `bench_clipping.build`: its
     input is a batch of tokens, its state `(params, opt_state)`; with `log`,
-    it also returns every clipax statistic and the per-layer gradient norms."""
+    it also returns every clipax statistic and the per-layer gradient norms.
+    A model with `qk` returns each head's largest logit too, and passes them
+    to `tx.update` as `max_logits`."""
 
-    def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-        logits = model.apply(params, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, tokens[:, 1:]
-        ).mean()
+    def loss_fn(params: Any, tokens: jax.Array) -> tuple[jax.Array, Any]:
+        logits, sown = model.apply(params, tokens[:, :-1], mutable=["intermediates"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return loss.mean(), {"params": sown.get("intermediates", {})}
 
     def init(tokens: jax.Array) -> tuple:
         params = model.init(jax.random.key(0), tokens[:, :-1])
@@ -203,8 +373,13 @@ def train_step(
     def update(tokens: jax.Array, state: tuple, params: Any = None) -> tuple:
         del params
         params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        (loss, sown), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
+        extra = {"max_logits": sown} if model.qk else {}
+        updates, opt_state = optax.with_extra_args_support(tx).update(
+            grads, opt_state, params, **extra
+        )
+        if model.qk:  # returned, so that both sides compute the logits' max
+            loss = (loss, sown)
         if log:
             norms = clipax.tree.group_norms(grads, depth=3, stacked=stacked)
             loss = (loss, clipax.metrics(opt_state) | norms)
@@ -248,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         runs, compiles = [], []
         for name in args.models:
             scanned = MODELS[name]
-            model = GPT(width, layers, heads, scanned)
+            model = GPT(width, layers, heads, scanned, rule in QK_RULES)
             leaves = len(
                 jax.tree.leaves(
                     jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
