@@ -292,7 +292,7 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
     logits_sharded = {
         "attn": jax.device_put(batch_logits, NamedSharding(mesh, P("data", "model")))
     }
-    got, state = jax.jit(tx.update)(
+    got, _state = jax.jit(tx.update)(
         place(zeros, heads), tx.init(params), sharded, max_logits=logits_sharded
     )
     chex.assert_trees_all_close(got, want, rtol=1e-6)

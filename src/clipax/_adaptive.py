@@ -54,6 +54,8 @@ class RuleState(Protocol):
 
     def _replace(self: _R, *args: Any, **changes: Any) -> _R: ...
 
+    def _asdict(self) -> dict[str, Any]: ...
+
 
 G = TypeVar("G", bound=RuleState)
 

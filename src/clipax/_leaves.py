@@ -396,7 +396,8 @@ def entries(
                 f"{tuple(leaf.x.shape)}); it must be a prefix of the updates' tree."
             )
         out.append(found)
-    nodes, empty = set(), set()
+    nodes: set[KeyPath] = set()
+    empty: set[KeyPath] = set()
     for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)[0]:
         nodes.update(path[:end] for end in range(len(path) + 1))
         if is_empty(x):

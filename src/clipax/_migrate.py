@@ -36,8 +36,8 @@ def _is_statistics(node: Any) -> bool:
 def _is_empty(node: Any) -> bool:
     """A node without children: None, MaskedNode, EmptyState, an empty
     container, a static node (a clipax state's `stacks`)."""
-    treedef = jax.tree.structure(node)
-    return treedef.num_nodes == 1 and treedef.num_leaves == 0
+    no_children = jax.tree_util.treedef_is_leaf(jax.tree.structure(node))
+    return no_children and not jax.tree.leaves(node)
 
 
 def _is_leaf(node: Any) -> bool:

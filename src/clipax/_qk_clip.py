@@ -68,7 +68,7 @@ def _placed(values: jax.Array, leaf: Leaf, axes: list[int]) -> jax.Array:
     shape = [1] * leaf.x.ndim
     for a in axes:
         shape[a] = leaf.x.shape[a]
-    return jnp.transpose(values, np.argsort(axes)).reshape(shape)
+    return jnp.transpose(values, np.argsort(axes).tolist()).reshape(shape)
 
 
 def qk_clip(
@@ -87,35 +87,27 @@ def qk_clip(
     """Rescales the query and key weights of every attention head whose largest
     logit exceeded `threshold`, so that it is at most `threshold`.
 
-    QK-Clip (Kimi K2's MuonClip), last in a chain, after the optimizer: for a
-    head whose largest logit of the step, `S`, is above `threshold`,
-    `eta = threshold / S`; its query weights take `eta**alpha`, its key
-    weights `eta**(1 - alpha)`, so its logits shrink by `eta`. A module is a
-    node of `params` holding a `query` and a `key` child; `max_logits`
-    mirrors `params` down to each module, holding its logits, heads last
-    (docs/qk-clip.md says how to sow them). GQA/MQA: a key head takes its
-    group's smallest `eta**(1 - alpha)`, each query head the rest, so each
-    head's logits shrink by exactly its own `eta`. MLA: a query head's last
-    `rope_dim` entries take `eta`; with `key_dim` a key head's first
-    `key_dim` entries alone are scaled. Heads under the threshold, and every
-    other leaf, pass as they came; a NaN or inf logit leaves its head.
+    QK-Clip (Kimi K2's MuonClip), last in a chain: a head whose largest logit
+    `S` is above `threshold` has its query weights scaled by `eta**alpha`,
+    its key weights by `eta**(1 - alpha)`, `eta = threshold / S`. A module
+    is a node of `params` holding a `query` and a `key`; `update(...,
+    max_logits=)` mirrors `params` down to each, holding its logits, heads
+    last. GQA/MQA: a key head takes its group's smallest share, each query
+    head the rest; MLA: `rope_dim`, `key_dim` (docs/qk-clip.md).
 
     Args:
       threshold: the largest logit allowed (tau), a finite real > 0 or an array.
       alpha: the query's share of the scaling, in [0, 1].
       query, key: the names of the projections' nodes in a module.
       head_axis: the heads' axis of each projection leaf, within one layer.
-      rope_dim: a query head's trailing entries (on the axis after
-        `head_axis`) that take `eta` whole (MLA's rotary part), an int >= 0.
-      key_dim: None (all), or how many leading entries of a key head are
-        scaled (a fused key/value projection), an int >= 1.
+      rope_dim: a query head's trailing entries taking `eta` whole (MLA).
+      key_dim: None, or a key head's leading entries scaled (fused k/v).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
       axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
         split (docs/scaling-out.md).
 
     Returns:
-      An `optax.GradientTransformationExtraArgs` whose state is a
-      `QKClipState`; its `update` takes `params` and `max_logits=`.
+      A `GradientTransformationExtraArgs`; its state is a `QKClipState`.
 
     Raises:
       ValueError: if an argument is not accepted, `params` holds no module,
@@ -126,7 +118,7 @@ def qk_clip(
       >>> import clipax
       >>> params = {"attn": {"query": jnp.ones((4, 2, 3)), "key": jnp.ones((4, 2, 3))}}
       >>> tx = clipax.qk_clip(100.0)
-      >>> zeros = jax.tree.map(jnp.zeros_like, params)
+      >>> zeros = {"attn": {"query": jnp.zeros((4, 2, 3)), "key": jnp.zeros((4, 2, 3))}}
       >>> logits = {"attn": jnp.array([[400.0, 50.0]])}  # (batch, heads)
       >>> updates, state = tx.update(zeros, tx.init(params), params, max_logits=logits)
       >>> (params["attn"]["query"] + updates["attn"]["query"])[0, :, 0]
@@ -156,6 +148,17 @@ def qk_clip(
     def head_of(leaf: Leaf) -> int:
         return int(leaf.within((head_axis,), "head_axis")[0])
 
+    def role(path: KeyPath, name: str, leaves: _leaves.Leaves) -> list[Leaf]:
+        """The leaves under the module at `path`'s child `name`."""
+        n = len(path)
+        return [
+            x
+            for x in leaves
+            if len(x.path) > n
+            and x.path[:n] == path
+            and _states.key_name(x.path[n]) == name
+        ]
+
     def modules(tree: Any, leaves: _leaves.Leaves) -> list[_Module]:
         """Every attention module of `tree`, with its leaves in `leaves`.
 
@@ -166,17 +169,8 @@ def qk_clip(
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]
         found = []
         for path in [p for p, x in flat if is_module(x)]:
-            n = len(path)
-            parts = tuple(
-                [
-                    x
-                    for x in leaves
-                    if x.path[:n] == path
-                    and len(x.path) > n
-                    and _states.key_name(x.path[n]) == name
-                ]
-                for name in (query, key)
-            )
+            len(path)
+            parts = (role(path, query, leaves), role(path, key, leaves))
             shapes = [{(x.layers, x.x.shape[head_of(x)]) for x in p} for p in parts]
             if all(len(s) == 1 for s in shapes):
                 (layers, nq), (k_layers, nk) = (s.pop() for s in map(set, shapes))
@@ -200,17 +194,16 @@ def qk_clip(
         """The state: `stats` (per module path) in `tree`'s containers."""
         roots = [m.parts[0][0].root for m in found]
         depths = tuple(None if r is None else len(r) for r in roots)
-        return QKClipState(
-            *(
-                jax.tree_util.tree_map_with_path(
-                    lambda p, _, v=v: v.get(p),
-                    tree,
-                    is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
-                )
-                for v in stats
-            ),
-            _leaves.Stacks(depths if any(r is not None for r in roots) else ()),
+        peaks, counts = (
+            jax.tree_util.tree_map_with_path(
+                lambda p, _, v=v: v.get(p),
+                tree,
+                is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
+            )
+            for v in stats
         )
+        stacks = _leaves.Stacks(depths if any(r is not None for r in roots) else ())
+        return QKClipState(peaks, counts, stacks)
 
     def init_fn(params: optax.Params) -> QKClipState:
         found = modules(params, checked(params))

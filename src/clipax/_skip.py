@@ -79,8 +79,7 @@ def skip_spikes(
       window: None (EMA statistics), or the latest values' count, an int >= 2.
       ddof: with `window`, the std's delta degrees of freedom, an int >= 0.
       warmup_steps: values recorded before the z-tests start, an int >= 1.
-      history: `"accepted"` (default) or `"all"` (the trainers'): whose
-        values the statistics take (never a NaN or inf).
+      history: whose values the statistics take: `"accepted"` or `"all"`.
       max_consecutive_skips: None (no limit), or an int >= 1: after that
         many skips in a row the next spike is let through (`forced`).
       max_norm: None, or a norm above which a step is always skipped.
@@ -92,7 +91,8 @@ def skip_spikes(
       `SkipSpikesState`; its `update` takes an optional scalar `loss=`.
 
     Raises:
-      TypeError: if `inner` is not a transformation, or a number is not real.
+      TypeError: if `inner` is not a transformation, or `z_threshold`,
+        `alpha` or `max_norm` is not a real number.
       ValueError: if an argument is not accepted.
 
     Example:

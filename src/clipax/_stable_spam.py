@@ -109,7 +109,10 @@ def stable_spam(
         dtype = _engine.tree_accum_dtype(leaves.arrays)
         stats = [leaves.full(0, dtype) for _ in range(3)]
         count = jnp.zeros((), jnp.int32)
-        return StableSpamState(inner.init(params), count, *stats, leaves.stacks)
+        m_max, m_norm, v_norm = stats
+        return StableSpamState(
+            inner.init(params), count, m_max, m_norm, v_norm, leaves.stacks
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -176,8 +179,9 @@ def stable_spam(
         new_updates, inner_state = inner.update(
             leaves.rebuild(out), inner_state, params, **extra_args
         )
+        m_max, m_norm, v_norm = map(leaves.stats, (new_max, new_m, new_v))
         return new_updates, StableSpamState(
-            inner_state, t, *map(leaves.stats, (new_max, new_m, new_v)), state.stacks
+            inner_state, t, m_max, m_norm, v_norm, state.stacks
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -135,8 +135,8 @@ def _from_names(
             roots[root], out[i] = sig, (sig[0], len(root))
     unproven = []
     for i, k in enumerate(keys):
-        root = next((r for r in roots if k[: len(r)] == r), None)
-        if sigs[i] is None and root is not None:
+        root = next((r for r in roots if k[: len(r)] == r), ())
+        if sigs[i] is None and root in roots:
             if roots[root] in (sigs[j] for j in members[k[:-1]]):
                 out[i] = (roots[root][0], len(root))
             else:

@@ -129,7 +129,8 @@ def clip_leaves(
     """`clip_by_value` of `tree`, with checked bounds; a None `min_value` is
     `-max_value` (>= 0), negated in each leaf's dtype, where it is exact."""
     leaves = _leaves.leaves(tree, "clip_by_value", kind="value")
-    shapes = (np.shape(min_value), np.shape(max_value))
+    low_shape = () if min_value is None else np.shape(min_value)
+    shapes = (low_shape, np.shape(max_value))
     out = []
     for path, x in ((leaf.path, leaf.x) for leaf in leaves):
         try:
@@ -149,6 +150,6 @@ def clip_leaves(
         )
         high = _bound("max_value", max_value, where, dtype)
         if min_value is None and not jnp.issubdtype(dtype, jnp.unsignedinteger):
-            low = -high  # exact: |min| >= max in a signed dtype
+            low = np.negative(high)  # exact: |min| >= max in a signed dtype
         out.append(jnp.clip(jnp.asarray(x), low, high).astype(dtype))
     return leaves.rebuild(out)
