@@ -234,17 +234,21 @@ class Leaves(list[Leaf]):
         depths = [len(leaf.root) if leaf.root is not None else None for leaf in self]
         return Stacks(tuple(depths) if any(d is not None for d in depths) else ())
 
-    def rebuild(self, values: Sequence[Any]) -> Any:
-        """The tree with `values` (one per leaf, shaped as it) for its arrays,
-        each in its leaf's wrapper."""
+    def rebuild(self, values: Sequence[Any], batched: bool = False) -> Any:
+        """The tree with `values` (one per leaf, shaped as it, or `batched`: as
+        it but for its first axis, summed away) for its arrays, each in its
+        leaf's wrapper (a `NamedArray` without its first axis, where batched;
+        no other wrapper then)."""
+
+        def wrap(leaf: Leaf, v: Any) -> Any:
+            if leaf.node is None or (batched and not is_named(leaf.node)):
+                return v
+            if batched:
+                return type(leaf.node)(v, leaf.node.axes[1:])
+            return jax.tree.unflatten(jax.tree.structure(leaf.node), [v])
+
         return jax.tree.unflatten(
-            self.treedef,
-            [
-                v
-                if leaf.node is None
-                else jax.tree.unflatten(jax.tree.structure(leaf.node), [v])
-                for leaf, v in zip(self, values, strict=True)
-            ],
+            self.treedef, [wrap(leaf, v) for leaf, v in zip(self, values, strict=True)]
         )
 
     def stats(self, values: Sequence[Any]) -> Any:

@@ -89,7 +89,7 @@ def per_example_global_norm_clip(
     )
     scales, num_clipped = _scales(norms, l2_norm_clip)
     summed = [_weighted_sum(scales, jnp.asarray(x)) for x in leaves.arrays]
-    return leaves.rebuild(summed), num_clipped
+    return leaves.rebuild(summed, batched=True), num_clipped
 
 
 def per_example_layer_norm_clip(
@@ -165,4 +165,4 @@ def per_example_layer_norm_clip(
         scales, num_clipped = _scales(n, jnp.asarray(clip, n.dtype) * share**0.5)
         summed.append(_weighted_sum(scales, jnp.asarray(leaf.x), leaf.layer_axes))
         counts.append(num_clipped)
-    return leaves.rebuild(summed), leaves.stats(counts)
+    return leaves.rebuild(summed, batched=True), leaves.stats(counts)
