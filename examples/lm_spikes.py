@@ -59,12 +59,48 @@ where a spike of the unclipped run stands highest above the clipped runs, the
 per-layer gradient norms around that spike, and the held-out loss against the
 learning rate.
 
+With `--qk-clip` the script runs a study of the largest attention logit
+instead (the rules study does not run). The model's blocks then hold an
+attention module `attn` whose query, key and value projections keep a heads
+axis (`nn.DenseGeneral((heads, head_dim))`, named "query", "key", "value"),
+with the logits computed as above and each head's largest logit of the step
+sown (`self.sow("intermediates", "max_logits", ...)`, stacked layers first by
+`nn.scan`). Four optimizers, from the same initialisation on the same batches
+for a seed:
+
+- adamw: `optax.adamw(lr)`, as above;
+- muon: `optax.contrib.muon(lr, consistent_rms=0.2, weight_decay=1e-4,
+  adam_weight_decay=1e-4, muon_weight_dimension_numbers=...)`: Kimi K2's RMS
+  match, each layer's kernel orthogonalised on its own (the layer axis a batch
+  axis, the input axis the reduction axis, the rest, e.g. a projection's
+  (heads, head_dim), the output axes); embeddings, biases and norm scales go
+  to its Adam branch;
+- adamw+qk_clip, muon+qk_clip: the same, then `clipax.qk_clip(tau,
+  stacked=prefix)` (tau 100 by default, `--tau`), given the sown logits
+  (`tx.update(grads, state, params, max_logits={"params": sown})`).
+
+AdamW at 0.01, 0.03 and 0.1 and Muon at 0.03, 0.1 and 0.3 (`--lrs` sets both),
+3 seeds, 400 steps: without QK-Clip, the largest logit passes 100 at every
+AdamW rate from 0.01 and every Muon rate from 0.1 (and grows to thousands or
+millions at the higher ones), while Muon at its best rate (0.03) stays under
+31; tau 100 lies in between. Measured per run: the largest attention logit per step
+(the max over layers, heads and the batch of the step's forward pass, before
+the step's clip), the heads clipped (summed over steps and layers), loss
+spikes, the held-out loss and divergence as above. Every step is logged (the
+loss, the largest logit per layer, `clipax.metrics(opt_state)`) to
+`lm_qk_clip_metrics.jsonl`; the script prints one line per run and rate and
+writes `lm_qk_clip.png`: per optimizer the largest logit over the steps with
+and without QK-Clip at the rate where it grew most, and the held-out loss and
+the largest logit against the rate.
+
 Run from the repository root:
 
     python examples/lm_spikes.py             # 3 rates x 1 seed x 150 steps: minutes
     python examples/lm_spikes.py --full      # 5 rates x 3 seeds x 400 steps: ~67 min
     python examples/lm_spikes.py --seeds 3 --lrs 0.01 0.03   # a part of the study
     python examples/lm_spikes.py --steps 8 --lrs 0.01        # smoke run
+    python examples/lm_spikes.py --qk-clip   # 36 runs x 400 steps: ~25 min
+    python examples/lm_spikes.py --qk-clip --steps 6 --lrs 0.1 --tau 1   # smoke run
 """
 
 from __future__ import annotations
@@ -130,6 +166,21 @@ COLORS = {
     "trainers.skip": "tab:pink",
     "levanter.update_clip": "tab:olive",
     "stable_spam": "tab:purple",
+}
+QK_OUTPUT = "lm_qk_clip.png"
+QK_LOG = "lm_qk_clip_metrics.jsonl"  # one line per QK run and step
+QK_TAU = 100.0  # QK-Clip's threshold in the --qk-clip study (Kimi K2's)
+QK_RUNS = ("adamw", "adamw+qk_clip", "muon", "muon+qk_clip")
+QK_COLORS = {
+    "adamw": "tab:blue",
+    "adamw+qk_clip": "tab:cyan",
+    "muon": "tab:red",
+    "muon+qk_clip": "tab:orange",
+}
+QK = {  # AdamW: where its logits pass 100, up; Muon: its best rate, up
+    "steps": 400,
+    "seeds": 3,
+    "lrs": {"adamw": [0.01, 0.03, 0.1], "muon": [0.03, 0.1, 0.3]},
 }
 # The large trainers' skip rule (OLMo-core, MaxText; Levanter's has ddof=0 and
 # warmup_steps=64): every step's values in a window of 128, 6 sigma.
@@ -239,6 +290,53 @@ class Block(nn.Module):
         return x + self.dense(d, ("mlp", "embed"), "mlp_out")(h), None
 
 
+class Attention(nn.Module):
+    """Causal self-attention whose query, key and value projections keep a
+    heads axis (`DenseGeneral((heads, head_dim))`, the layout `clipax.qk_clip`
+    reads), the logits computed as `Block`'s; sows each head's largest logit
+    of the step (`max_logits`, shape `(batch, heads)`)."""
+
+    heads: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        b, t, d = h.shape
+        head = d // self.heads
+
+        def project(name: str) -> jax.Array:
+            return nn.DenseGeneral(
+                (self.heads, head),
+                dtype=self.dtype,
+                kernel_init=logical(normal, ("embed", "heads", "head")),
+                bias_init=logical(zeros, ("heads", "head")),
+                name=name,
+            )(h)
+
+        q, k, v = project("query"), project("key"), project("value")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores / math.sqrt(head), -1e9)
+        self.sow("intermediates", "max_logits", jnp.max(scores, axis=(-2, -1)))
+        weights = jax.nn.softmax(scores).astype(self.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+
+
+class QKBlock(Block):
+    """`Block` with its attention an `Attention` module named `attn` (a node
+    holding `query` and `key`: `qk_clip`'s attention module)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        d = x.shape[-1]
+        h = layer_norm(self.dtype, "ln1")(x)
+        y = Attention(self.heads, self.dtype, name="attn")(h)
+        x = x + self.dense(d, ("qkv", "embed"), "attn_out")(y)
+        h = layer_norm(self.dtype, "ln2")(x)
+        h = nn.gelu(self.dense(4 * d, ("embed", "mlp"), "mlp_in")(h))
+        return x + self.dense(d, ("mlp", "embed"), "mlp_out")(h), None
+
+
 class GPT(nn.Module):
     """Token and learned position embeddings, `layers` scanned blocks, a final
     LayerNorm and the output head tied to the token embedding. Parameters
@@ -248,6 +346,7 @@ class GPT(nn.Module):
     d_model: int = D_MODEL
     heads: int = HEADS
     dtype: Any = jnp.float32
+    block: Any = Block  # QKBlock: attention with a heads axis, its logits sown
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -261,13 +360,14 @@ class GPT(nn.Module):
         pos = self.param("pos", logical(normal, ("seq", "embed")), (SEQ, self.d_model))
         x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
         blocks = nn.scan(
-            Block,
-            variable_axes={"params": 0},
+            self.block,
+            variable_axes={"params": 0, "intermediates": 0},  # layers first
             split_rngs={"params": True},
             length=self.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x, _ = blocks(self.d_model, self.heads, self.dtype, name="blocks")(x, None)
+        block = blocks(self.d_model, self.heads, self.dtype, name="blocks")
+        x, _ = block(x, None)
         x = layer_norm(self.dtype, "ln_final")(x)
         return embed.attend(x).astype(jnp.float32)
 
@@ -593,19 +693,373 @@ def plot(
     return lr, seed, at
 
 
+# -- the QK-Clip study (--qk-clip) ---------------------------------------------
+
+
+def muon_dims(params: Any, prefix: Any) -> Any:
+    """Muon's `muon_weight_dimension_numbers` for `params`: each kernel one
+    matrix per layer (its layer axes batch axes, the input axis the reduction
+    axis, the rest, e.g. a projection's (heads, head_dim), the output axes);
+    every other leaf (embeddings, biases, norm scales) None, Muon's Adam."""
+
+    def of(layers: int, subtree: Any) -> Any:
+        def dims(path: Any, x: Any) -> Any:
+            if not path or getattr(path[-1], "key", None) != "kernel":
+                return None
+            return optax.contrib.MuonDimensionNumbers(
+                reduction_axis=layers, output_axis=tuple(range(layers + 1, x.ndim))
+            )
+
+        return jax.tree_util.tree_map_with_path(dims, subtree)
+
+    return jax.tree.map(of, prefix, params)
+
+
+def qk_optimizer(
+    run: str, lr: Any, prefix: Any, dims: Any, tau: float
+) -> optax.GradientTransformation:
+    """The optimizer of a QK run: "adamw" or "muon", with "+qk_clip" followed
+    by `clipax.qk_clip(tau, stacked=prefix)`."""
+    name, _, clip = run.partition("+")
+    if name == "adamw":
+        opt = optax.adamw(lr)  # as the rules study's
+    else:  # Kimi K2's RMS match; AdamW's weight decay, on both of its branches
+        opt = optax.contrib.muon(
+            lr,
+            weight_decay=1e-4,
+            adam_weight_decay=1e-4,
+            consistent_rms=0.2,
+            muon_weight_dimension_numbers=dims,
+        )
+    if clip:
+        opt = optax.chain(opt, clipax.qk_clip(tau, stacked=prefix))
+    return opt
+
+
+class QKTrainer:
+    """The jitted steps of the QK study: the gradient step (it also returns
+    the sown logits), one update step per run, the held-out evaluation."""
+
+    def __init__(self, model: GPT, prefix: Any, dims: Any, tau: float) -> None:
+        self.prefix, self.dims, self.tau = prefix, dims, tau
+
+        def loss_fn(params: Any, windows: jax.Array) -> Any:
+            logits, sown = model.apply(
+                params, windows[:, :-1], mutable=["intermediates"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits, windows[:, 1:]
+            ).mean()
+            return loss, sown["intermediates"]
+
+        def grad_step(params: Any, windows: jax.Array) -> Any:
+            (loss, sown), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, windows
+            )
+            (per_head,) = sown["blocks"]["attn"]["max_logits"]  # (layers, batch, heads)
+            return loss, grads, sown, jnp.max(per_head, axis=(1, 2))
+
+        def update_step(
+            run: str, grads: Any, opt_state: Any, params: Any, lr: Any, sown: Any
+        ) -> Any:
+            tx = qk_optimizer(run, lr, prefix, dims, tau)
+            if "+" in run:
+                updates, opt_state = tx.update(
+                    grads, opt_state, params, max_logits={"params": sown}
+                )
+            else:
+                updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, opt_state, clipax.metrics(opt_state)
+
+        self.grad_step = jax.jit(grad_step)
+        self.update_step = jax.jit(update_step, static_argnums=0)
+        self.evaluate = jax.jit(lambda p, w: cross_entropy(model, p, w))
+
+
+def qk_train(
+    trainer: QKTrainer,
+    run: str,
+    lr: float,
+    seed: int,
+    params: Any,
+    data: np.ndarray,
+    held_out: np.ndarray,
+    log: TextIO,
+    bar: tqdm,
+) -> dict[str, Any]:
+    """Trains from `params` on `data` with the QK study's `run` at `lr`; logs
+    every step's loss, largest logit per layer and metrics to `log`. Stops at
+    a non-finite loss."""
+    steps = data.shape[0]
+    opt_state = qk_optimizer(run, lr, trainer.prefix, trainer.dims, trainer.tau).init(
+        params
+    )
+    loss_curve = np.full(steps, np.nan)
+    logit_curve = np.full(steps, np.nan)
+    head_clips = 0
+    lr_array = jnp.asarray(lr, jnp.float32)
+    for t in range(steps):
+        loss, grads, sown, per_layer = trainer.grad_step(params, data[t])
+        params, opt_state, metrics = trainer.update_step(
+            run, grads, opt_state, params, lr_array, sown
+        )
+        loss, per_layer, metrics = jax.device_get((loss, per_layer, metrics))
+        metrics = {k: float(v) for k, v in metrics.items() if k.startswith("qk_clip/")}
+        layers = {f"max_logit/{i}": float(v) for i, v in enumerate(per_layer)}
+        row = {"run": run, "lr": lr, "seed": seed, "step": t, "loss": float(loss)}
+        logged = {k: float(f"{v:.6g}") for k, v in {**layers, **metrics}.items()}
+        log.write(json.dumps({**row, **logged}) + "\n")
+        loss_curve[t] = float(loss)
+        logit_curve[t] = float(np.max(per_layer))
+        head_clips += int(sum(v for k, v in metrics.items() if "clipped_heads" in k))
+        bar.update()
+        bar.set_postfix(run=run, loss=f"{float(loss):.3f}", refresh=False)
+        if not math.isfinite(float(loss)):
+            bar.update(steps - 1 - t)
+            break
+    held = float(trainer.evaluate(params, held_out))
+    finite = logit_curve[np.isfinite(logit_curve)]
+    return {
+        "loss": loss_curve,
+        "max_logit": logit_curve,
+        "peak": float(finite.max()) if finite.size else math.nan,
+        "last": float(finite[-1]) if finite.size else math.nan,
+        "head_clips": head_clips,
+        "held_out": held,
+        "spikes": len(events(spike_steps(loss_curve))),
+        "finite": bool(np.isfinite(loss_curve).all()),
+    }
+
+
+def qk_summary(
+    runs: dict[tuple[str, float, int], dict[str, Any]], bound: float
+) -> list[str]:
+    """One line per run and learning rate: means over the seeds."""
+    seeds = sorted({seed for _, _, seed in runs})
+    head = (
+        f"{'run':>18} {'lr':>8} {'seeds':>5} {'peak':>9} {'last':>9} "
+        f"{'clips':>8} {'spikes':>6} {'held-out':>9} {'diverged':>8}"
+    )
+    lines = [head]
+    for name, lr in dict.fromkeys((name, lr) for name, lr, _ in runs):
+        group = [runs[name, lr, seed] for seed in seeds]
+        held = [r["held_out"] for r in group if math.isfinite(r["held_out"])]
+        peak, last, clips, spikes = (
+            float(np.nanmean([r[key] for r in group]))
+            for key in ("peak", "last", "head_clips", "spikes")
+        )
+        lines.append(
+            f"{name:>18} {lr:8.0e} {len(group):5d} {peak:9.1f} {last:9.1f} "
+            f"{clips:8.1f} {spikes:6.2f} "
+            f"{float(np.mean(held)) if held else math.nan:9.3f} "
+            f"{sum(diverged(r, bound) for r in group):6d}/{len(group)}"
+        )
+    return lines
+
+
+def qk_plot(
+    runs: dict[tuple[str, float, int], dict[str, Any]],
+    names: list[str],
+    lrs: dict[str, list[float]],
+    tau: float,
+    bound: float,
+) -> dict[str, float]:
+    """Per optimizer, the largest logit over the steps with and without
+    QK-Clip at the rate where its unclipped runs' logits grew most; the
+    held-out loss and the largest logit against the rate. Returns the rates
+    shown."""
+    seeds = sorted({s for _, _, s in runs})
+    base = [n for n in names if "+" not in n]
+    fig, axes = plt.subplots(2, len(base), figsize=(7 * len(base), 9), squeeze=False)
+    shown = {}
+    for col, opt in enumerate(base):
+        grown = {
+            lr: np.nanmean([runs[opt, lr, s]["peak"] for s in seeds]) for lr in lrs[opt]
+        }
+        lr = shown[opt] = max(grown, key=lambda r: np.nan_to_num(grown[r], nan=-1.0))
+        ax = axes[0, col]
+        for name in (n for n in names if n.split("+")[0] == opt):
+            peak = np.nanmean([runs[name, lr, s]["peak"] for s in seeds])
+            held = np.mean([runs[name, lr, s]["held_out"] for s in seeds])
+            for s in seeds:
+                run = runs[name, lr, s]
+                label = f"{name}: peak {peak:.1f}, held-out {held:.3f}"
+                label = label if s == seeds[0] else None
+                ax.plot(
+                    run["max_logit"],
+                    color=QK_COLORS[name],
+                    lw=1,
+                    alpha=0.8,
+                    label=label,
+                )
+        ax.axhline(tau, color="black", lw=1, ls="--", alpha=0.6)
+        ax.annotate(
+            f"tau {tau:g}",
+            (0, tau),
+            fontsize=8,
+            xytext=(2, 3),
+            textcoords="offset points",
+        )
+        ax.set(
+            yscale="log",
+            xlabel="step",
+            ylabel="largest attention logit (max over layers, heads, batch)",
+        )
+        ax.set_title(
+            f"{opt}, lr {lr:g}: largest logit per step, {len(seeds)} seed(s)",
+            fontsize=10,
+        )
+        ax.legend(fontsize=8, frameon=False)
+        ax.grid(alpha=0.3)
+    held_ax, peak_ax = axes[1, 0], axes[1, -1] if len(base) > 1 else None
+    for name in names:
+        opt = name.split("+")[0]
+        rates = lrs[opt]
+        held = [np.mean([runs[name, r, s]["held_out"] for s in seeds]) for r in rates]
+        capped = np.clip(np.nan_to_num(held, nan=10.0, posinf=10.0), None, 10.0)
+        held_ax.plot(rates, capped, marker="o", color=QK_COLORS[name], label=name)
+        for r, h in zip(rates, capped, strict=True):
+            if any(diverged(runs[name, r, s], bound) for s in seeds):
+                held_ax.plot(r, h, "x", color="black", ms=10)
+        if peak_ax is not None:
+            peaks = [
+                np.nanmean([runs[name, r, s]["peak"] for s in seeds]) for r in rates
+            ]
+            peak_ax.plot(rates, peaks, marker="o", color=QK_COLORS[name], label=name)
+    held_ax.axhline(bound, color="black", lw=1, alpha=0.5)
+    held_ax.set(
+        xscale="log",
+        xlabel="learning rate",
+        ylabel="held-out loss at the end (capped at 10)",
+    )
+    held_ax.set_title(
+        f"held-out loss, mean of {len(seeds)} seed(s); x: a run diverged", fontsize=10
+    )
+    held_ax.legend(fontsize=8, frameon=False)
+    held_ax.grid(alpha=0.3)
+    if peak_ax is not None:
+        peak_ax.axhline(tau, color="black", lw=1, ls="--", alpha=0.6)
+        peak_ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="learning rate",
+            ylabel="largest logit of the run",
+        )
+        peak_ax.annotate(
+            f"tau {tau:g}",
+            (min(min(r) for r in lrs.values()), tau),
+            fontsize=8,
+            xytext=(2, 3),
+            textcoords="offset points",
+        )
+        peak_ax.set_title(
+            f"largest logit of the run, mean of {len(seeds)} seed(s)", fontsize=10
+        )
+        peak_ax.legend(fontsize=8, frameon=False)
+        peak_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(QK_OUTPUT, dpi=100)
+    plt.close(fig)
+    return shown
+
+
+def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
+    """The QK-Clip study (`--qk-clip`): every optimizer, rate and seed from the
+    same initialisation and batches per seed; prints the summary, writes the
+    log and the figure."""
+    steps = args.steps or QK["steps"]
+    seeds = list(range(args.seeds or QK["seeds"]))
+    lrs = {opt: sorted(args.lrs or QK["lrs"][opt]) for opt in ("adamw", "muon")}
+    names = list(QK_RUNS)
+    train_text, held_text, files = load_text()
+    bound = unigram_entropy(train_text)
+    held_out = eval_windows(held_text)
+    model = GPT(dtype=jnp.dtype(args.dtype), block=QKBlock)
+    total = sum(len(lrs[n.split("+")[0]]) for n in names) * len(seeds)
+    tqdm.write(
+        f"{files} files of the stdlib: {train_text.size:,} training bytes, "
+        f"{held_text.size:,} held out; QK-Clip study, tau {args.tau:g}: {total} "
+        f"runs ({', '.join(names)}; adamw at {lrs['adamw']}, muon at "
+        f"{lrs['muon']}) x {steps} steps, {len(seeds)} seed(s), activations "
+        f"{args.dtype}"
+    )
+    runs: dict[tuple[str, float, int], Any] = {}
+    start = time.perf_counter()
+    with open(QK_LOG, "w") as log:
+        for seed in seeds:
+            boxed = model.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
+            prefix = clipax.stacked_prefix(boxed, axis_name="layers")
+            params = nn.unbox(boxed)
+            if seed == seeds[0]:
+                dims = muon_dims(params, prefix)
+                tqdm.write(f"stacked prefix: {prefix}")
+                trainer = QKTrainer(model, prefix, dims, args.tau)
+            data = batches(train_text, steps, seed)
+            for name in names:
+                for lr in lrs[name.split("+")[0]]:
+                    bar = tqdm(
+                        total=steps,
+                        desc=f"{name} lr {lr:.0e} seed {seed}",
+                        unit="step",
+                        mininterval=1.0,
+                        leave=False,
+                    )
+                    runs[name, lr, seed] = qk_train(
+                        trainer, name, lr, seed, params, data, held_out, log, bar
+                    )
+                    bar.close()
+    seconds = time.perf_counter() - start
+    tqdm.write(
+        "peak: the largest attention logit of the run (per step the max over "
+        "layers, heads and batch, before the step's clip); last: at the last "
+        "step; clips: heads clipped per run (summed over steps and layers); "
+        f"spikes and diverged as in the rules study (bound {bound:.3f})"
+    )
+    for line in qk_summary(runs, bound):
+        tqdm.write(line)
+    shown = qk_plot(runs, names, lrs, args.tau, bound)
+    tqdm.write(
+        "figure: " + ", ".join(f"{opt} at lr {lr:g}" for opt, lr in shown.items())
+    )
+    tqdm.write(f"wrote {QK_OUTPUT} and {QK_LOG} in {seconds:.0f} s")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="the whole study")
     parser.add_argument("--steps", type=int, help="steps per run")
     parser.add_argument("--seeds", type=int, help="how many seeds (0, 1, ...)")
-    parser.add_argument("--lrs", type=float, nargs="+", help="learning rates")
+    parser.add_argument(
+        "--lrs",
+        type=float,
+        nargs="+",
+        help="learning rates (with --qk-clip: of both optimizers)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("bfloat16", "float32"),
         default="bfloat16",
         help="the activations' dtype (parameters and Adam stay float32)",
     )
+    parser.add_argument(
+        "--qk-clip",
+        action="store_true",
+        help="the QK-Clip study instead: AdamW and Muon, each with and without "
+        "clipax.qk_clip, the largest attention logit per step (~25 min)",
+    )
+    parser.add_argument(
+        "--tau",
+        type=float,
+        default=QK_TAU,
+        help=f"with --qk-clip: QK-Clip's threshold (default {QK_TAU:g})",
+    )
     args = parser.parse_args(argv)
+    if args.qk_clip:
+        if args.full:
+            parser.error("--full is the rules study's plan; --qk-clip has its own")
+        return qk_study(args)
     plan = FULL if args.full else DEFAULT
     steps = args.steps or plan["steps"]
     seeds = list(range(args.seeds or plan["seeds"]))

@@ -226,3 +226,53 @@ def test_lm_spikes(tmp_path: Path) -> None:
     assert any(k.endswith("clip_by_global_norm/clipped") for k in skip)
 
     assert_png(tmp_path / "lm_spikes.png")
+
+
+QK_RUNS = {"adamw", "adamw+qk_clip", "muon", "muon+qk_clip"}
+QK_STEPS = 6
+QK_ROW = re.compile(
+    r"^\s*(?P<run>\S+)\s+(?P<lr>\S+)\s+(?P<seeds>\d+)\s+(?P<peak>\S+)\s+"
+    r"(?P<last>\S+)\s+(?P<clips>\S+)\s+(?P<spikes>\S+)\s+(?P<held>\S+)\s+"
+    r"(?P<diverged>\d+)/(?P<runs>\d+)$",
+    re.MULTILINE,
+)
+
+
+def test_lm_spikes_qk_clip(tmp_path: Path) -> None:
+    # tau 1: at lr 0.1 the largest logit passes it in the first steps.
+    out = run_example(
+        "lm_spikes.py",
+        *("--qk-clip", "--steps", str(QK_STEPS), "--lrs", "0.1", "--seeds", "1"),
+        *("--tau", "1"),
+        cwd=tmp_path,
+    )
+    rows = {m["run"]: m for m in QK_ROW.finditer(out)}
+    assert set(rows) == QK_RUNS, out
+    for run, row in rows.items():
+        assert float(row["lr"]) == pytest.approx(0.1)
+        assert int(row["seeds"]) == int(row["runs"]) == 1
+        assert 0 < float(row["held"]) < 8, run
+        assert float(row["last"]) <= float(row["peak"]), run
+        clipped = "+qk_clip" in run
+        assert (float(row["clips"]) > 0) == clipped, run  # 8 heads a step at most
+        assert float(row["clips"]) <= 8 * QK_STEPS, run
+
+    # The log: per step the largest logit of each layer; with QK-Clip, its
+    # state per layer of the scanned blocks, read by clipax.metrics.
+    lines = (tmp_path / "lm_qk_clip_metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    assert len(logged) == len(QK_RUNS) * QK_STEPS
+    first = {r["run"]: r for r in logged if r["step"] == 0}
+    for name in ("adamw", "muon"):  # the same model, batch and step 0
+        assert first[name]["max_logit/0"] == first[f"{name}+qk_clip"]["max_logit/0"]
+    for r in logged:
+        assert math.isfinite(r["loss"]) and math.isfinite(r["max_logit/1"])
+        keys = [k for k in r if k.startswith("qk_clip/")]
+        if "+qk_clip" not in r["run"]:
+            assert not keys, r
+            continue
+        for layer in (0, 1):
+            seen = r[f"qk_clip/params/blocks/{layer}/attn/max_logit"]
+            assert seen == pytest.approx(r[f"max_logit/{layer}"], rel=1e-3)
+            assert 0 <= r[f"qk_clip/params/blocks/{layer}/attn/clipped_heads"] <= 4
+    assert_png(tmp_path / "lm_qk_clip.png")
