@@ -150,6 +150,6 @@ def clip_leaves(
         )
         high = _bound("max_value", max_value, where, dtype)
         if min_value is None and not jnp.issubdtype(dtype, jnp.unsignedinteger):
-            low = np.negative(high)  # exact: |min| >= max in a signed dtype
+            low = jnp.negative(high)  # exact: |min| >= max in a signed dtype
         out.append(jnp.clip(jnp.asarray(x), low, high).astype(dtype))
     return leaves.rebuild(out)
