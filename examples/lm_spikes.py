@@ -111,7 +111,7 @@ import math
 import pathlib
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import jax
@@ -209,6 +209,25 @@ def load_text() -> tuple[np.ndarray, np.ndarray, int]:
         part.append(path.read_bytes())
     joined = [np.frombuffer(b"\n".join(part), np.uint8) for part in (train, held)]
     return joined[0], joined[1], len(files)
+
+
+def corpus() -> tuple[np.ndarray, np.ndarray, int, float, np.ndarray]:
+    """The training and held-out bytes, how many files they came from, the
+    unigram entropy of the training bytes and the held-out windows."""
+    train_text, held_text, files = load_text()
+    bound = unigram_entropy(train_text)
+    return train_text, held_text, files, bound, eval_windows(held_text)
+
+
+def seeded(
+    model: Any, seeds: list[int], steps: int, text: np.ndarray
+) -> Iterator[tuple[int, Any, Any, np.ndarray]]:
+    """Per seed: the model's stacked prefix, its initial (unboxed) parameters
+    and its batches."""
+    for seed in seeds:
+        boxed = model.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
+        prefix = clipax.stacked_prefix(boxed, axis_name="layers")
+        yield seed, prefix, nn.unbox(boxed), batches(text, steps, seed)
 
 
 def unigram_entropy(text: np.ndarray) -> float:
@@ -972,9 +991,7 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
     seeds = list(range(args.seeds or QK["seeds"]))
     lrs = {opt: sorted(args.lrs or QK["lrs"][opt]) for opt in ("adamw", "muon")}
     names = list(QK_RUNS)
-    train_text, held_text, files = load_text()
-    bound = unigram_entropy(train_text)
-    held_out = eval_windows(held_text)
+    train_text, held_text, files, bound, held_out = corpus()
     model = GPT(dtype=jnp.dtype(args.dtype), block=QKBlock)
     total = sum(len(lrs[n.split("+")[0]]) for n in names) * len(seeds)
     tqdm.write(
@@ -987,15 +1004,11 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
     runs: dict[tuple[str, float, int], Any] = {}
     start = time.perf_counter()
     with open(QK_LOG, "w") as log:
-        for seed in seeds:
-            boxed = model.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
-            prefix = clipax.stacked_prefix(boxed, axis_name="layers")
-            params = nn.unbox(boxed)
+        for seed, prefix, params, data in seeded(model, seeds, steps, train_text):
             if seed == seeds[0]:
                 dims = muon_dims(params, prefix)
                 tqdm.write(f"stacked prefix: {prefix}")
                 trainer = QKTrainer(model, prefix, dims, args.tau)
-            data = batches(train_text, steps, seed)
             for name in names:
                 for lr in lrs[name.split("+")[0]]:
                     bar = tqdm(
@@ -1065,9 +1078,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
     seeds = list(range(args.seeds or plan["seeds"]))
     lrs = sorted(args.lrs or plan["lrs"])
 
-    train_text, held_text, files = load_text()
-    bound = unigram_entropy(train_text)
-    held_out = eval_windows(held_text)
+    train_text, held_text, files, bound, held_out = corpus()
     model = GPT(dtype=jnp.dtype(args.dtype))
     tqdm.write(
         f"{files} files of the stdlib: {train_text.size:,} training bytes, "
@@ -1077,14 +1088,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
     runs: dict[tuple[str, float, int], Any] = {}
     start = time.perf_counter()
     with open(LOG, "w") as log:
-        for seed in seeds:
-            boxed = model.init(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))
-            prefix = clipax.stacked_prefix(boxed, axis_name="layers")
-            params = nn.unbox(boxed)
+        for seed, prefix, params, data in seeded(model, seeds, steps, train_text):
             if seed == seeds[0]:
                 tqdm.write(f"stacked prefix: {prefix}")
                 trainer = Trainer(model, prefix)
-            data = batches(train_text, steps, seed)
             for lr in lrs:
                 bar = tqdm(
                     total=len(RULES) * steps,
