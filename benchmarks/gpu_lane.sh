@@ -19,6 +19,11 @@ python3 -c 'import jax, optax, flax; print("jax", jax.__version__, "optax",
 optax.__version__, "flax", flax.__version__, jax.devices())'
 timeout "${1:-270}" python3 benchmarks/bench_train_step.py \
   --rule qk_clip,adagc_bare,stable_spam_bare 2>&1 | tee "$out/train_step.md"
+# Each test's outcome as it ends (-v), so that a run cut by its time limit
+# still names its failures; float32 matmuls at full precision (the GPU's
+# default, TF32, rounds a twin's forward pass at 1e-3).
 CLIPAX_TEST_DEVICES=native XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  timeout "${2:-270}" python3 -m pytest -q -p no:cacheprovider -n 6 \
-  -o addopts="--doctest-modules" 2>&1 | tee "$out/tests.txt" | tail -n 30
+  JAX_DEFAULT_MATMUL_PRECISION=highest \
+  timeout "${2:-270}" python3 -m pytest -v -p no:cacheprovider -n 12 -rf \
+  -o addopts="--doctest-modules" 2>&1 | tee "$out/tests.txt" \
+  | grep -E "FAILED|ERROR|passed|failed" | tail -n 40
