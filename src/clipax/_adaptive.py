@@ -212,8 +212,7 @@ def autoclip(
         `optax.inject_hyperparams`).
       ord: the global norm's order: None (default) or 2, 1, `inf`, or a real
         p >= 1.
-      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
-        split over (docs/scaling-out.md).
+      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
@@ -370,19 +369,19 @@ def zclip(
       window: None (EMA statistics), or the latest norms' count, an int >= 2.
       history: `"clipped"` (default) or `"raw"`: which norm they take.
       mode: `"adaptive"` (default; the package's `"zscore"`) or `"std"`.
-      clip_option, clip_factor: the package's, in mode `"adaptive"`.
+      clip_option: the package's, in mode `"adaptive"`.
+      clip_factor: the package's, in mode `"adaptive"`.
       skip_update_on_spike: whether a spike leaves the statistics as they were.
       eps: added to the standard deviation in the z-score, > 0.
       max_grad_norm: None (default), or a global norm no update exceeds.
-      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
-        split (docs/scaling-out.md).
+      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       An `optax.GradientTransformation` whose state is a `ZClipState`.
 
     Raises:
-      ValueError: if an argument is not accepted, or `clip_option` or
-        `clip_factor` is given where it means nothing.
+      ValueError: if an argument is not accepted or means nothing in `mode`.
       TypeError: if `warmup_steps` is traced, `skip_update_on_spike` is not a
         bool, or a leaf is not a float array.
 

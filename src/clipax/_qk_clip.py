@@ -98,13 +98,14 @@ def qk_clip(
     Args:
       threshold: the largest logit allowed (tau), a finite real > 0 or an array.
       alpha: the query's share of the scaling, in [0, 1].
-      query, key: the names of the projections' nodes in a module.
+      query: the name of the query projection's node in a module.
+      key: the name of the key projection's node in a module.
       head_axis: the heads' axis of each projection leaf, within one layer.
       rope_dim: a query head's trailing entries taking `eta` whole (MLA).
       key_dim: None, or a key head's leading entries scaled (fused k/v).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
-      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
-        split (docs/scaling-out.md).
+      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       A `GradientTransformationExtraArgs`; its state is a `QKClipState`.

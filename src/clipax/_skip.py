@@ -83,8 +83,8 @@ def skip_spikes(
       max_consecutive_skips: None (no limit), or an int >= 1: after that
         many skips in a row the next spike is let through (`forced`).
       max_norm: None, or a norm above which a step is always skipped.
-      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
-        split (docs/scaling-out.md).
+      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a

@@ -66,8 +66,8 @@ def stable_spam(
       reset_every: None (never), or every how many steps `inner`'s state is
         re-initialised, an int >= 1.
       stacked: None, or a prefix of the updates (docs/stacked-layers.md).
-      axis_name, specs: inside `pmap` or `shard_map`, how the leaves are
-        split (docs/scaling-out.md).
+      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       An `optax.GradientTransformationExtraArgs` whose state is a
