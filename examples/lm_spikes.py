@@ -568,6 +568,49 @@ def diverged(run: dict[str, Any], bound: float) -> bool:
     return not run["finite"] or not run["held_out"] <= bound
 
 
+def mark(ax: Any, y: float, text: str, x: float, **line: Any) -> None:
+    """A black horizontal line at `y`, named at `x`."""
+    ax.axhline(y, color="black", lw=1, **line)
+    ax.annotate(text, (x, y), fontsize=8, xytext=(2, 3), textcoords="offset points")
+
+
+def finish(ax: Any, title: str, **legend: Any) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, frameon=False, **legend)
+    ax.grid(alpha=0.3)
+
+
+def held_out_sweep(
+    ax: Any,
+    runs: dict[tuple[str, float, int], dict[str, Any]],
+    rates: dict[str, list[float]],
+    styles: dict[str, dict[str, Any]],
+    bound: float,
+    **legend: Any,
+) -> None:
+    """Per run name, its mean held-out loss (capped at 10) over its rates, an
+    x where a seed diverged; `styles` gives each name's plot keywords."""
+    seeds = sorted({s for _, _, s in runs})
+    for name, style in styles.items():
+        held = [
+            np.mean([runs[name, r, s]["held_out"] for s in seeds]) for r in rates[name]
+        ]
+        capped = np.clip(np.nan_to_num(held, nan=10.0, posinf=10.0), None, 10.0)
+        ax.plot(rates[name], capped, marker="o", label=name, **style)
+        for r, h in zip(rates[name], capped, strict=True):
+            if any(diverged(runs[name, r, s], bound) for s in seeds):
+                ax.plot(r, h, "x", color="black", ms=10)
+    ax.axhline(bound, color="black", lw=1, alpha=0.5)
+    ax.set(
+        xscale="log",
+        xlabel="learning rate",
+        ylabel="held-out loss at the end (capped at 10)",
+    )
+    finish(
+        ax, f"held-out loss, mean of {len(seeds)} seed(s); x: a run diverged", **legend
+    )
+
+
 def summary(
     runs: dict[tuple[str, float, int], dict[str, Any]], lrs: list[float], bound: float
 ) -> list[str]:
@@ -669,25 +712,14 @@ def plot(
             )
     near.axvline(at, color="red", alpha=0.3, lw=3)
     near.set(yscale="log", xlabel="step", ylabel="gradient norm (before clipping)")
-    near.set_title(
-        "per-layer gradient norms of the scanned blocks around the spike",
-        fontsize=10,
-    )
-    near.legend(fontsize=8, frameon=False)
-    near.grid(alpha=0.3)
+    finish(near, "per-layer gradient norms of the scanned blocks around the spike")
 
     sweep = fig.add_subplot(grid[1, 1])
-    seeds = sorted({s for _, _, s in runs})
-    for name in RULES:
-        held = [np.mean([runs[name, r, s]["held_out"] for s in seeds]) for r in lrs]
-        gone = [any(diverged(runs[name, r, s], bound) for s in seeds) for r in lrs]
-        capped = np.clip(np.nan_to_num(held, nan=10.0, posinf=10.0), None, 10.0)
-        style = "--" if name == "optax.clip" else "-"
-        sweep.plot(lrs, capped, style, marker="o", color=COLORS[name], label=name)
-        for r, h, g in zip(lrs, capped, gone, strict=True):
-            if g:
-                sweep.plot(r, h, "x", color="black", ms=10)
-    sweep.axhline(bound, color="black", lw=1, alpha=0.5)
+    styles = {
+        name: {"color": COLORS[name], "ls": "--" if name == "optax.clip" else "-"}
+        for name in RULES
+    }
+    held_out_sweep(sweep, runs, dict.fromkeys(RULES, lrs), styles, bound, ncol=2)
     sweep.annotate(
         "unigram entropy",
         (lrs[0], bound),
@@ -695,17 +727,6 @@ def plot(
         xytext=(2, 3),
         textcoords="offset points",
     )
-    sweep.set(
-        xscale="log",
-        xlabel="learning rate",
-        ylabel="held-out loss at the end (capped at 10)",
-    )
-    sweep.set_title(
-        f"held-out loss, mean of {len(seeds)} seed(s); x: a run diverged",
-        fontsize=10,
-    )
-    sweep.legend(fontsize=8, ncol=2, frameon=False)
-    sweep.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(OUTPUT, dpi=100)
     plt.close(fig)
@@ -912,71 +933,33 @@ def qk_plot(
                     alpha=0.8,
                     label=label,
                 )
-        ax.axhline(tau, color="black", lw=1, ls="--", alpha=0.6)
-        ax.annotate(
-            f"tau {tau:g}",
-            (0, tau),
-            fontsize=8,
-            xytext=(2, 3),
-            textcoords="offset points",
-        )
+        mark(ax, tau, f"tau {tau:g}", 0, ls="--", alpha=0.6)
         ax.set(
             yscale="log",
             xlabel="step",
             ylabel="largest attention logit (max over layers, heads, batch)",
         )
-        ax.set_title(
-            f"{opt}, lr {lr:g}: largest logit per step, {len(seeds)} seed(s)",
-            fontsize=10,
-        )
-        ax.legend(fontsize=8, frameon=False)
-        ax.grid(alpha=0.3)
-    held_ax, peak_ax = axes[1, 0], axes[1, -1] if len(base) > 1 else None
-    for name in names:
-        opt = name.split("+")[0]
-        rates = lrs[opt]
-        held = [np.mean([runs[name, r, s]["held_out"] for s in seeds]) for r in rates]
-        capped = np.clip(np.nan_to_num(held, nan=10.0, posinf=10.0), None, 10.0)
-        held_ax.plot(rates, capped, marker="o", color=QK_COLORS[name], label=name)
-        for r, h in zip(rates, capped, strict=True):
-            if any(diverged(runs[name, r, s], bound) for s in seeds):
-                held_ax.plot(r, h, "x", color="black", ms=10)
-        if peak_ax is not None:
+        finish(ax, f"{opt}, lr {lr:g}: largest logit per step, {len(seeds)} seed(s)")
+    rates = {name: lrs[name.split("+")[0]] for name in names}
+    styles = {name: {"color": QK_COLORS[name]} for name in names}
+    held_out_sweep(axes[1, 0], runs, rates, styles, bound)
+    if len(base) > 1:
+        peak_ax = axes[1, -1]
+        for name in names:
             peaks = [
-                np.nanmean([runs[name, r, s]["peak"] for s in seeds]) for r in rates
+                np.nanmean([runs[name, r, s]["peak"] for s in seeds])
+                for r in rates[name]
             ]
-            peak_ax.plot(rates, peaks, marker="o", color=QK_COLORS[name], label=name)
-    held_ax.axhline(bound, color="black", lw=1, alpha=0.5)
-    held_ax.set(
-        xscale="log",
-        xlabel="learning rate",
-        ylabel="held-out loss at the end (capped at 10)",
-    )
-    held_ax.set_title(
-        f"held-out loss, mean of {len(seeds)} seed(s); x: a run diverged", fontsize=10
-    )
-    held_ax.legend(fontsize=8, frameon=False)
-    held_ax.grid(alpha=0.3)
-    if peak_ax is not None:
-        peak_ax.axhline(tau, color="black", lw=1, ls="--", alpha=0.6)
+            peak_ax.plot(rates[name], peaks, marker="o", label=name, **styles[name])
+        least = min(min(r) for r in lrs.values())
+        mark(peak_ax, tau, f"tau {tau:g}", least, ls="--", alpha=0.6)
         peak_ax.set(
             xscale="log",
             yscale="log",
             xlabel="learning rate",
             ylabel="largest logit of the run",
         )
-        peak_ax.annotate(
-            f"tau {tau:g}",
-            (min(min(r) for r in lrs.values()), tau),
-            fontsize=8,
-            xytext=(2, 3),
-            textcoords="offset points",
-        )
-        peak_ax.set_title(
-            f"largest logit of the run, mean of {len(seeds)} seed(s)", fontsize=10
-        )
-        peak_ax.legend(fontsize=8, frameon=False)
-        peak_ax.grid(alpha=0.3)
+        finish(peak_ax, f"largest logit of the run, mean of {len(seeds)} seed(s)")
     fig.tight_layout()
     fig.savefig(QK_OUTPUT, dpi=100)
     plt.close(fig)
