@@ -170,7 +170,6 @@ def qk_clip(
         flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]
         found = []
         for path in [p for p, x in flat if is_module(x)]:
-            len(path)
             parts = (role(path, query, leaves), role(path, key, leaves))
             shapes = [{(x.layers, x.x.shape[head_of(x)]) for x in p} for p in parts]
             if all(len(s) == 1 for s in shapes):
