@@ -366,6 +366,7 @@ def train_step(
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         return loss.mean(), {"params": sown.get("intermediates", {})}
 
+    @jax.jit  # one compile: run op by op, each build's init compiles ~170 ops
     def init(tokens: jax.Array) -> tuple:
         params = model.init(jax.random.key(0), tokens[:, :-1])
         return params, tx.init(params)
