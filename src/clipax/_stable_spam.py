@@ -107,9 +107,8 @@ def stable_spam(
     def init_fn(params: optax.Params) -> StableSpamState:
         leaves = checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
-        stats = [leaves.full(0, dtype) for _ in range(3)]
+        m_max, m_norm, v_norm = (leaves.full(0, dtype) for _ in range(3))
         count = jnp.zeros((), jnp.int32)
-        m_max, m_norm, v_norm = stats
         return StableSpamState(
             inner.init(params), count, m_max, m_norm, v_norm, leaves.stacks
         )
