@@ -262,7 +262,7 @@ def test_init_rejects_integer_leaves():
 
 def test_same_numbers_sharded_and_under_pmap():
     single, sharded, pmapped = sharded_and_pmap_runs(
-        lambda: clipax.adagc(warmup_steps=5, max_norm=10.0)
+        lambda **kw: clipax.adagc(warmup_steps=5, max_norm=10.0, **kw)
     )
     chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)

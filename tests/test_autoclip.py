@@ -237,7 +237,7 @@ def test_rejects_non_numeric_percentile():
 
 def test_same_numbers_sharded_and_under_pmap():
     single, sharded, pmapped = sharded_and_pmap_runs(
-        lambda: clipax.autoclip(10.0, history=16)
+        lambda **kw: clipax.autoclip(10.0, history=16, **kw)
     )
     chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)

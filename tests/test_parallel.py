@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -32,15 +35,21 @@ def mesh() -> jax.sharding.Mesh:
 @pytest.mark.devices(8)
 def test_pmap_after_pmean_equals_one_device() -> None:
     per_device = _grads()
-    tx = clipax.clip_by_global_norm(0.5)
+    one = clipax.clip_by_global_norm(0.5)
     mean = jax.tree.map(lambda g: g.mean(axis=0), per_device)
-    expected, expected_state = tx.update(mean, tx.init(mean))
+    expected, expected_state = one.update(mean, one.init(mean))
 
-    def step(g: dict) -> tuple:
+    def step(tx: Any, g: dict) -> tuple:
         g = jax.lax.pmean(g, "batch")
         return tx.update(g, tx.init(g))
 
-    updates, state = jax.pmap(step, axis_name="batch")(per_device)
+    # pmap's body has no varying-axes types: a mean is not told from a shard.
+    with pytest.raises(ValueError, match=r"the leaf at \['b'\].*\('batch',\)"):
+        jax.pmap(functools.partial(step, one), axis_name="batch")(per_device)
+    tx = clipax.clip_by_global_norm(0.5, specs=P())  # every leaf whole
+    updates, state = jax.pmap(functools.partial(step, tx), axis_name="batch")(
+        per_device
+    )
     for i in range(8):
         chex.assert_trees_all_close(
             jax.tree.map(lambda u, i=i: u[i], updates), expected, rtol=1e-6

@@ -272,11 +272,13 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
     rng = np.random.default_rng(5)
     params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 2))}
     batch_logits = jnp.asarray(rng.normal(size=(4, 4)) * 5)  # (batch, heads)
+    batch_logits = batch_logits.at[3, 1].set(4 * TAU).at[2, 2].set(2 * TAU)
     tx = clipax.qk_clip(TAU)
     zeros = jax.tree.map(jnp.zeros_like, params)
     want, want_state = tx.update(
         zeros, tx.init(params), params, max_logits={"attn": batch_logits}
     )
+    assert want_state.clipped_heads["attn"] == 2  # a sharded run that clips
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     # GSPMD: the heads split over "model", the batch over "data".
     heads = {
@@ -297,7 +299,7 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
     )
     chex.assert_trees_all_close(got, want, rtol=1e-6)
     # shard_map with `specs`: each device its heads and its share of the batch.
-    sm_tx = clipax.qk_clip(TAU, specs=heads)
+    sm_tx = clipax.qk_clip(TAU, specs=heads, logit_specs={"attn": P("data", "model")})
     state_specs = jax.tree.map(lambda _: P(), want_state)
     update = jax.shard_map(
         lambda u, p, s: sm_tx.update(u, sm_tx.init(p), p, max_logits={"attn": s}),
@@ -369,7 +371,7 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
             lambda: clipax.qk_clip(1.0),
             "gqa",
             ValueError,
-            r"key heads divide the query heads.*\(\(\), 4\).*\(\(\), 3\)",
+            r"key heads divide the query heads.*\(4,\).*\(3,\)",
         ),
         (
             lambda: clipax.qk_clip(1.0, query="q"),

@@ -261,8 +261,8 @@ def _decisions(states: list) -> list[bool]:
 
 @pytest.mark.devices(8)
 def test_gspmd_and_pmap_decide_as_one_device() -> None:
-    def make() -> optax.GradientTransformation:
-        return clipax.skip_spikes(optax.sgd(1.0), z_threshold=3.0, warmup_steps=5)
+    def make(**kw: Any) -> optax.GradientTransformation:
+        return clipax.skip_spikes(optax.sgd(1.0), z_threshold=3.0, warmup_steps=5, **kw)
 
     single, sharded, pmapped = helpers.sharded_and_pmap_runs(make, spike_at=25)
     zero = [not any(np.any(np.asarray(x)) for x in jax.tree.leaves(o)) for o in single]

@@ -538,7 +538,7 @@ def test_arguments_are_keyword_only():
 @pytest.mark.parametrize("mode", ["adaptive", "std"])
 def test_same_numbers_sharded_and_under_pmap(mode):
     single, sharded, pmapped = sharded_and_pmap_runs(
-        lambda: clipax.zclip(warmup_steps=5, mode=mode)
+        lambda **kw: clipax.zclip(warmup_steps=5, mode=mode, **kw)
     )
     chex.assert_trees_all_close(sharded, single, rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(pmapped, single, rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ def unit_axes(axes: tuple[int, ...] | None, leaf: _leaves.Leaf) -> tuple[int, ..
     is longer than 1, else `DEFAULT_AXES` by rank; other ranks need `axis`."""
     if axes is not None:
         return leaf.within(axes, "axis")
-    shape = tuple(leaf.x.shape[d] for d in leaf.inner)
+    shape = tuple(leaf.size([d]) for d in leaf.inner)  # the tensor's, not a block's
     if sum(d != 1 for d in shape) <= 1:
         return leaf.inner
     if len(shape) in DEFAULT_AXES:
@@ -58,7 +59,12 @@ def _clip_units(
 
 
 def adaptive_grad_clip(
-    clipping: ArrayLike, eps: ArrayLike = 1e-3, axis: Any = None, *, stacked: Any = None
+    clipping: ArrayLike,
+    eps: ArrayLike = 1e-3,
+    axis: Any = None,
+    *,
+    stacked: Any = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Clips each unit of the updates to `clipping` times its parameter's norm.
 
@@ -80,14 +86,17 @@ def adaptive_grad_clip(
         ints: the axes each unit spans, for every leaf (within one layer).
       stacked: None, or a prefix of the updates holding, per subtree, how many
         leading axes index stacked layers, or a callable that returns one.
+      specs: inside `shard_map`, the `in_specs` of the updates (and of the
+        params, laid out alike): each unit's norms are the whole unit's.
 
     Returns:
       An `optax.GradientTransformation` with state `optax.EmptyState`.
 
     Raises:
       ValueError: at construction, if an argument is not accepted; at `init`
-        or `update`, if `axis` is out of range for a leaf, or a leaf of rank
-        above 5 gets no `axis`; at `update`, if `params` is None.
+        or `update`, if `axis` is out of range for a leaf, a leaf of rank
+        above 5 gets no `axis`, or inside `shard_map` its layout is not
+        given; at `update`, if `params` is None.
       TypeError: if a leaf is not a float array, or `axis` is traced.
 
     Example:
@@ -109,7 +118,9 @@ def adaptive_grad_clip(
     axes = _checks.axes(axis, name="axis")
 
     def units(tree: optax.Updates) -> tuple[_leaves.Leaves, list[tuple[int, ...]]]:
-        leaves = _leaves.leaves(tree, "adaptive_grad_clip", stacked=stacked)
+        leaves = _leaves.leaves(
+            tree, "adaptive_grad_clip", stacked=stacked, specs=specs
+        )
         return leaves, [unit_axes(axes, leaf) for leaf in leaves]
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
@@ -124,7 +135,8 @@ def adaptive_grad_clip(
         leaves, reduced = units(updates)
         weights = _leaves.params_of(leaves, updates, params, "adaptive_grad_clip")
         w_leaves = [
-            _leaves.Leaf(leaf.path, w) for leaf, w in zip(leaves, weights, strict=True)
+            dataclasses.replace(leaf, x=w)
+            for leaf, w in zip(leaves, weights, strict=True)
         ]
         norms = _engine.norms([*leaves, *w_leaves], reduced + reduced)
         count = len(leaves)

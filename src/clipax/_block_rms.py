@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,7 +21,11 @@ def _rms_factor(norm: jax.Array, root_size: float, threshold: Any) -> jax.Array:
 
 
 def clip_by_block_rms(
-    threshold: ArrayLike, *, stacked: Any = None
+    threshold: ArrayLike,
+    *,
+    stacked: Any = None,
+    axis_name: str | Sequence[str] | None = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Scales each update leaf so that its root mean square is <= `threshold`.
 
@@ -37,12 +42,16 @@ def clip_by_block_rms(
         `inf`, or an array (docs/semantics.md, "Thresholds").
       stacked: None, or a prefix of the updates holding, per subtree, how many
         leading axes index stacked layers, or a callable that returns one.
+      axis_name: inside `pmap` or `shard_map`, the mesh axes every leaf is
+        split over (docs/scaling-out.md).
+      specs: inside `shard_map`, the `in_specs` of the updates.
 
     Returns:
       An `optax.GradientTransformation` with state `optax.EmptyState`.
 
     Raises:
-      ValueError: at construction, if `threshold` is not accepted.
+      ValueError: at construction, if an argument is not accepted; at
+        `update`, inside `shard_map`, if a leaf's layout is not given.
       TypeError: at `init` or `update`, if a leaf is not a float array.
 
     Example:
@@ -56,7 +65,9 @@ def clip_by_block_rms(
     """
     threshold = _checks.threshold("threshold", threshold)
 
-    checked = _leaves.reader("clip_by_block_rms", stacked=stacked)
+    checked = _leaves.reader(
+        "clip_by_block_rms", stacked=stacked, specs=specs, axis_name=axis_name
+    )
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         checked(params)
@@ -72,8 +83,7 @@ def clip_by_block_rms(
         norms = _engine.norms(leaves, [leaf.inner for leaf in leaves])
         clipped = []
         for leaf, n in zip(leaves, norms, strict=True):
-            size = math.prod(leaf.x.shape[d] for d in leaf.inner)
-            factor = _rms_factor(n, math.sqrt(max(size, 1)), threshold)
+            factor = _rms_factor(n, math.sqrt(max(leaf.size(leaf.inner), 1)), threshold)
             clipped.append(_engine.scaled(leaf.x, factor))
         return leaves.rebuild(clipped), optax.EmptyState()
 

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from clipax._checks import is_traced
-from clipax._leaves import Leaf, MeshAxes, accum_dtype, tree_accum_dtype
+from clipax._leaves import Leaf, MeshAxes, accum_dtype, replicated, tree_accum_dtype
 
 # Leaves of at most this many elements are bucketed, and a bucket holds at most
 # BUCKET_ELEMENTS: see benchmarks/RESULTS.md, "What limits each case".
@@ -199,14 +199,6 @@ def complete(
             out[i] = piece.astype(values[i].dtype)
             offset += size
     return out
-
-
-def varying(x: Any) -> list[str]:
-    """The manual mesh axes `x` varies over inside `shard_map` (`vma`; JAX
-    0.10 calls it `mat.varying`); none outside."""
-    aval = jax.typeof(x)
-    axes = getattr(getattr(aval, "mat", None), "varying", getattr(aval, "vma", ()))
-    return sorted(axes or ())
 
 
 def pmax_all(value: jax.Array, axes: Sequence[MeshAxes]) -> jax.Array:
@@ -570,9 +562,13 @@ def norms(
 def layer_norms(
     items: Sequence[Leaf], p: float = 2.0, *, exact: bool = False
 ) -> list[jax.Array]:
-    """Each leaf's p-norm per layer (of its inner axes), shaped as its layers."""
+    """Each leaf's p-norm per layer (of its inner axes), shaped as its layers,
+    whole on every device under `jax.jit` (a state's statistics are)."""
     reduced = norms(items, [leaf.inner for leaf in items], p, exact=exact)
-    return [n.reshape(leaf.layers) for leaf, n in zip(items, reduced, strict=True)]
+    return [
+        replicated(n.reshape(leaf.layers))
+        for leaf, n in zip(items, reduced, strict=True)
+    ]
 
 
 def peak_scale(peak: jax.Array) -> jax.Array:
@@ -621,6 +617,16 @@ def total_norm(
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
 
 
+def block(values: jax.Array, dim: int, names: MeshAxes, size: int) -> jax.Array:
+    """This device's block of `values` along `dim`, split in blocks of `size`
+    over the mesh axes `names` inside `shard_map` (`gathered`'s inverse);
+    `values` where it is one block."""
+    if values.shape[dim] == size:
+        return values
+    start = jax.lax.axis_index(names) * size
+    return jax.lax.dynamic_slice_in_dim(values, start, size, dim)
+
+
 def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
     """`values`, split along `dim` over the mesh axes `names` (inside
     `shard_map`), whole on every device: each device's block put in its place
@@ -633,12 +639,3 @@ def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
         jnp.zeros(shape, values.dtype), values, start, dim
     )
     return jax.lax.psum(placed, names)
-
-
-def replicated(x: jax.Array) -> jax.Array:
-    """`x` (a few norms) whole on every device where it is split over explicit
-    mesh axes under `jax.jit`; as it is elsewhere."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or all(e is None for e in sharding.spec):
-        return x
-    return jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec()))

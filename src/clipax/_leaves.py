@@ -159,8 +159,12 @@ class Leaf:
     path: KeyPath
     x: Any  # a JAX or NumPy array (a Python number as a 0-d JAX array)
     layer_axes: tuple[int, ...] = ()  # the axes indexing stacked layers, sorted
-    dims: tuple[MeshAxes, ...] | None = None  # per dimension, the mesh axes
-    # that split it (inside shard_map/pmap, from `specs` or `axis_name`)
+    dims: tuple[MeshAxes, ...] | None = None  # inside shard_map/pmap: per
+    # dimension, the mesh axes that split it (from `specs`; () where JAX's
+    # types prove the leaf whole); None outside, or where it is not known
+    anywhere: MeshAxes = ()  # `axis_name`: axes splitting some dimension
+    unknown: MeshAxes = ()  # manual mesh axes it may be split over, unsaid
+    said: str = "specs"  # the argument that would say it
     node: Any = None  # the wrapper holding `x` (`is_wrapper`), or None
     root: KeyPath | None = None  # where its stack starts: its `stacked=` entry
 
@@ -199,18 +203,47 @@ class Leaf:
             ) from None
         return tuple(inner[a] for a in resolved)
 
-    def broadcast(self, values: Any) -> Any:
-        """Per-layer `values` (shaped as `layers`) shaped to broadcast against
-        the leaf."""
-        shape = [n if d in self.layer_axes else 1 for d, n in enumerate(self.x.shape)]
-        return jnp.reshape(values, shape)
+    def broadcast(self, values: Any, axes: Sequence[int] | None = None) -> Any:
+        """`values`, whose dims are the leaf's `axes` in that order (its layer
+        axes for None: per-layer values), shaped to broadcast against it."""
+        axes = list(self.layer_axes if axes is None else axes)
+        shape = [n if d in axes else 1 for d, n in enumerate(self.x.shape)]
+        return jnp.transpose(values, np.argsort(axes).tolist()).reshape(shape)
 
     def split(self, axes: Sequence[int] | None = None) -> MeshAxes:
-        """The mesh axes that split any of `axes` (all of its axes for None)."""
-        if self.dims is None:
-            return ()
-        chosen = range(len(self.dims)) if axes is None else axes
-        return tuple(sorted({n for d in chosen for n in self.dims[d]}))
+        """The mesh axes that split any of `axes` (all of its axes for None).
+
+        Raises:
+          ValueError: naming the leaf, the mesh axes and the arguments to
+            pass, inside `shard_map` where nobody said how it is split.
+        """
+        if self.unknown:
+            raise ValueError(
+                f"clipax cannot tell how the leaf at {path_str(self.path)} (its block "
+                f"{tuple(self.x.shape)}) is split across the mesh axes {self.unknown} "
+                f"of this shard_map (or pmap), and a reduction of a block is not the "
+                "tensor's: "
+                f"pass `{self.said}=` (the `in_specs` you gave shard_map for this "
+                "tree; `PartitionSpec()` for a leaf whole on every device, as after "
+                "`lax.pmean`), or `axis_name=` where every leaf is split over one "
+                "mesh axis. JAX's types prove a leaf whole only with `check_vma=True`."
+            )
+        chosen = range(self.x.ndim) if axes is None else axes
+        dims = self.dims or ((),) * self.x.ndim
+        return tuple(sorted({n for d in chosen for n in dims[d]} | {*self.anywhere}))
+
+    def size(self, axes: Sequence[int]) -> int:
+        """How many elements `axes` span in the whole tensor, not the block
+        (`axis_name`'s axes count where `axes` are all of the leaf's)."""
+        self.split(axes)  # refused where the layout is unknown
+        dims = self.dims or ((),) * self.x.ndim
+        split = {n for d in axes for n in dims[d]}
+        if len(set(axes)) == self.x.ndim:
+            split |= set(self.anywhere)
+        mesh = jax.sharding.get_abstract_mesh()
+        return math.prod(self.x.shape[d] for d in axes) * math.prod(
+            mesh.shape[n] for n in split
+        )
 
 
 class Leaves(list[Leaf]):
@@ -226,8 +259,8 @@ class Leaves(list[Leaf]):
 
     @property
     def placed(self) -> bool:
-        """Whether `specs` or `axis_name` said how the leaves are split."""
-        return any(leaf.dims is not None for leaf in self)
+        """Whether the leaves are inside `shard_map`/`pmap`, their layout known."""
+        return any(leaf.dims is not None or leaf.anywhere for leaf in self)
 
     @property
     def stacks(self) -> Stacks:
@@ -253,8 +286,9 @@ class Leaves(list[Leaf]):
 
     def stats(self, values: Sequence[Any]) -> Any:
         """A per-tensor statistic: the tree with `values` (one per leaf, shaped
-        as its layers) for its leaves, a wrapper's place included."""
-        return jax.tree.unflatten(self.treedef, list(values))
+        as its layers) for its leaves, a wrapper's place included, each whole
+        on every device under `jax.jit` (as `init` made it)."""
+        return jax.tree.unflatten(self.treedef, [replicated(v) for v in values])
 
     def full(self, value: float, dtype: Any = None) -> Any:
         """A per-tensor statistic holding `value` in `dtype` (each leaf's
@@ -306,6 +340,7 @@ def leaves(
     specs: Any = None,
     axis_name: MeshAxes = (),
     batched: bool = False,
+    said: str = "specs",
 ) -> Leaves:
     """`tree`'s leaves as records, each checked to be readable.
 
@@ -319,6 +354,7 @@ def leaves(
       specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
       batched: the leaves hold per-example values on axis 0, of one size;
         `stacked` then describes the axes after it.
+      said: the argument that gives `specs`, for messages.
 
     Raises:
       TypeError: naming the leaf, if it is not an array of `kind`.
@@ -333,13 +369,13 @@ def leaves(
     for leaf in items:
         if error := _dtype_error(fn_name, leaf, kind):
             raise TypeError(error)
-    batch = next((leaf.x.shape[0] for leaf in items if leaf.x.ndim), None)
     for leaf in items if batched else ():
-        if not leaf.x.ndim or leaf.x.shape[0] != batch:
+        if not leaf.x.ndim or leaf.x.shape[0] != items[0].x.shape[0]:
             raise ValueError(
                 f"`{fn_name}` takes per-example gradients: every leaf must have the "
-                f"same batch size on axis 0 ({batch}, from the first leaf); the leaf "
-                f"at {path_str(leaf.path)} has shape {tuple(leaf.x.shape)}."
+                f"same batch size on axis 0 ({items[0].x.shape[0]}, from the first "
+                f"leaf); the leaf at {path_str(leaf.path)} has shape "
+                f"{tuple(leaf.x.shape)}."
             )
     if stacked is not None:
         entry_types = (numbers.Integral, LayerAxes)
@@ -348,9 +384,53 @@ def leaves(
         ):
             stacked = stacked(tree)
         items = _stack(stacked, tree, items, int(batched))
+    manual = manual_axes()
     if specs is not None or axis_name:
         items = _place(specs, axis_name, tree, items)
+        split = {leaf.dims[0] for leaf in items if batched and leaf.dims}
+        if len(split) > 1:  # each device must hold the same examples of each
+            raise ValueError(
+                f"`{fn_name}` pairs the examples of every leaf: `specs` must split "
+                f"their batch axes alike; it splits them over {sorted(split)}."
+            )
+    elif manual:  # JAX's types may prove a leaf whole; nothing else is known
+        known = types_checked(manual)
+        items = [
+            dataclasses.replace(leaf, dims=((),) * leaf.x.ndim)
+            if known and not varying(leaf.x)
+            else dataclasses.replace(leaf, unknown=manual, said=said)
+            for leaf in items
+        ]
     return Leaves(items, treedef)
+
+
+def manual_axes() -> MeshAxes:
+    """The mesh axes of the `shard_map` (or `pmap`) whose body this is traced
+    in, from the abstract mesh (also with `check_vma=False`); () outside."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def varying(x: Any) -> MeshAxes:
+    """The manual mesh axes `x` varies over inside `shard_map` (`vma`; JAX
+    0.10 calls it `mat.varying`); none outside, or with `check_vma=False`."""
+    aval = jax.typeof(x)
+    axes = getattr(getattr(aval, "mat", None), "varying", getattr(aval, "vma", ()))
+    return tuple(sorted(axes or ()))
+
+
+def types_checked(manual: MeshAxes) -> bool:
+    """Whether JAX tracks which values vary over the `manual` axes (shard_map's
+    `check_vma=True`): then a value that varies over none is whole."""
+    return bool(varying(jax.lax.axis_index(manual)))
+
+
+def replicated(x: jax.Array) -> jax.Array:
+    """`x` (a few statistics) whole on every device where it is split over
+    explicit mesh axes under `jax.jit`; as it is elsewhere."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or all(e is None for e in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec()))
 
 
 def reader(
@@ -485,10 +565,9 @@ def _is_spec(node: Any) -> bool:
 
 
 def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> list[Leaf]:
-    """`items` with the mesh axes that split each dimension: from `specs` (a
-    prefix of PartitionSpecs), and `axis_name` on every dimension (a leaf
-    split along an unknown dimension, which only a whole-leaf reduction can
-    use)."""
+    """`items` with the mesh axes that split each dimension, from `specs` (a
+    prefix of PartitionSpecs), and `axis_name`'s, which split some dimension
+    (only a whole-leaf reduction can use them)."""
     spec_of: list[Any] = [None] * len(items)
     if specs is not None:
         accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the updates)"
@@ -510,14 +589,13 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
                 f"`axis_name` splits every leaf, but the leaf at {where} is a scalar; "
                 "use `specs` to mark it replicated."
             )
-        dims = [
+        dims = tuple(
             ((e,) if isinstance(e, str) else tuple(e or ()))
             if e is not PartitionSpec.UNCONSTRAINED
             else ()
             for e in spec + (None,) * (leaf.x.ndim - len(spec))
-        ]
-        dims = [tuple(dict.fromkeys(d + axis_name)) for d in dims]
-        out.append(dataclasses.replace(leaf, dims=tuple(dims)))
+        )
+        out.append(dataclasses.replace(leaf, dims=dims, anywhere=axis_name))
     return out
 
 

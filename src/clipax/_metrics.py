@@ -17,8 +17,12 @@ from clipax._leaves import (
     Stacks,
     flat_keys,
     is_wrapper,
+    manual_axes,
     path_str,
+    replicated,
+    types_checked,
     unwrap,
+    varying,
 )
 
 SEPARATOR = "/"
@@ -151,22 +155,24 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     )
     tensors: dict[str, Any] = {}
     paths: list[Any] = []
+    manual = manual_axes()
+    known = bool(manual) and types_checked(manual)
     for field, stat in declared.per_tensor.items():
         flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
         paths, values = [p for p, _ in flat[0]], [unwrap(v) for _, v in flat[0]]
         for path, v in zip(paths, values, strict=True):
-            if varying := _engine.varying(v):
+            if manual and (varying(v) or (np.ndim(v) and not known)):
                 raise ValueError(
-                    f"`clipax.metrics` got the `{field}` of the leaf at "
-                    f"{path_str(path)} split across devices (it varies over the "
-                    f"mesh axes {varying}, inside shard_map): its keys would count "
-                    "each device's share from layer 0. Read the state outside "
-                    "shard_map, as its `out_specs` assemble it."
+                    f"`clipax.metrics` cannot tell whether the `{field}` of the "
+                    f"leaf at {path_str(path)} is split across devices (inside "
+                    f"shard_map over {manual}, it "
+                    + (f"varies over {varying(v)}" if varying(v) else "holds layers")
+                    + "): its keys would count each device's share from layer 0. "
+                    "Read the state outside shard_map, as its `out_specs` assemble it."
                 )
         shapes = [np.shape(v) for v in values]
         tensors[stat] = jnp.concatenate(
-            [_engine.replicated(jnp.asarray(v)).reshape(-1) for v in values]
-            or [jnp.zeros(0)]
+            [replicated(jnp.asarray(v)).reshape(-1) for v in values] or [jnp.zeros(0)]
         )
     if "norm" in tensors and "threshold" in tensors:
         tensors |= _clip_facts(tensors["norm"], tensors["threshold"])

@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.typing import ArrayLike
 
@@ -38,39 +37,6 @@ class _Module(NamedTuple):
     heads: tuple[int, int]  # query heads, key heads
 
 
-def _logits_at(tree: Any, path: KeyPath) -> jax.Array:
-    """The logits `tree` holds for the module at `path`, found by its keys:
-    an array, a linen `sow`'s tuple (their max) or an NNX intermediate, as
-    the module's entry or under its `"max_logits"`.
-
-    Raises:
-      ValueError: naming the path, where `tree` holds no array there.
-    """
-    is_entry = lambda x: isinstance(x, tuple) or _leaves.is_wrapper(x)  # noqa: E731
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_entry)[0]
-    table = {tuple(_leaves.path_keys(p)): _leaves.unwrap(x) for p, x in flat}
-    keys = tuple(_leaves.path_keys(path))
-    node = table.get((*keys, "max_logits"), table.get(keys))
-    if isinstance(node, tuple) and node:
-        node = jnp.max(jnp.stack(node), axis=0)
-    if not hasattr(node, "shape"):
-        raise ValueError(
-            f"`max_logits` holds no array for the attention module at "
-            f"{path_str(path)}, where it must mirror `params` (docs/qk-clip.md); "
-            f"its entries are at {['/'.join(k) for k in list(table)[:4]]}."
-        )
-    return jnp.asarray(node)
-
-
-def _placed(values: jax.Array, leaf: Leaf, axes: list[int]) -> jax.Array:
-    """`values`, whose dims are the leaf's `axes` in that order, shaped to
-    broadcast against the leaf."""
-    shape = [1] * leaf.x.ndim
-    for a in axes:
-        shape[a] = leaf.x.shape[a]
-    return jnp.transpose(values, np.argsort(axes).tolist()).reshape(shape)
-
-
 def qk_clip(
     threshold: ArrayLike = 100.0,
     *,
@@ -83,6 +49,7 @@ def qk_clip(
     stacked: Any = None,
     axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
+    logit_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales the query and key weights of every attention head whose largest
     logit exceeded `threshold`, so that it is at most `threshold`.
@@ -104,15 +71,20 @@ def qk_clip(
       rope_dim: a query head's trailing entries taking `eta` whole (MLA).
       key_dim: None, or a key head's leading entries scaled (fused k/v).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
-      axis_name: the mesh axes every leaf is split over (docs/scaling-out.md).
+      axis_name: FSDP inside `shard_map`: the mesh axes every leaf is split
+        over (along other axes than its heads and layers), and the batch of
+        `max_logits` too (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates.
+      logit_specs: inside `shard_map`, the `in_specs` of `max_logits`.
 
     Returns:
       A `GradientTransformationExtraArgs`; its state is a `QKClipState`.
 
     Raises:
       ValueError: if an argument is not accepted, `params` holds no module,
-        or `params` or `max_logits` is missing or does not fit a module.
+        `params` or `max_logits` is missing or does not fit a module, or,
+        inside `shard_map`, a layout it needs was not given.
+      TypeError: if a leaf or parameter is not a float array.
 
     Example:
       >>> import jax.numpy as jnp
@@ -139,6 +111,7 @@ def qk_clip(
     checked = _leaves.reader(
         "qk_clip", stacked=stacked, specs=specs, axis_name=axis_name
     )
+    names = _checks.axis_name(axis_name)
 
     def is_module(node: Any) -> bool:
         if hasattr(node, "dtype") or _leaves.is_wrapper(node):
@@ -146,8 +119,9 @@ def qk_clip(
         children = _states.children(node)[0]
         return {query, key} <= {_states.key_name(k) for k, _ in children}
 
-    def head_of(leaf: Leaf) -> int:
-        return int(leaf.within((head_axis,), "head_axis")[0])
+    def axes_of(leaf: Leaf) -> list[int]:
+        """A projection leaf's layer axes, then its heads' axis."""
+        return [*leaf.layer_axes, *leaf.within((head_axis,), "head_axis")]
 
     def role(path: KeyPath, name: str, leaves: _leaves.Leaves) -> list[Leaf]:
         """The leaves under the module at `path`'s child `name`."""
@@ -161,7 +135,8 @@ def qk_clip(
         ]
 
     def modules(tree: Any, leaves: _leaves.Leaves) -> list[_Module]:
-        """Every attention module of `tree`, with its leaves in `leaves`.
+        """Every attention module of `tree`, with its leaves in `leaves`, its
+        layers and heads those of the whole tensors.
 
         Raises:
           ValueError: if `tree` holds no module, or a module's projections
@@ -171,16 +146,18 @@ def qk_clip(
         found = []
         for path in [p for p, x in flat if is_module(x)]:
             parts = (role(path, query, leaves), role(path, key, leaves))
-            shapes = [{(x.layers, x.x.shape[head_of(x)]) for x in p} for p in parts]
+            shapes = [
+                {tuple(x.size([a]) for a in axes_of(x)) for x in p} for p in parts
+            ]
             if all(len(s) == 1 for s in shapes):
-                (layers, nq), (k_layers, nk) = (s.pop() for s in map(set, shapes))
+                (*layers, nq), (*k_layers, nk) = (s.pop() for s in map(set, shapes))
                 if layers == k_layers and nq % nk == 0:
-                    found.append(_Module(path, parts, layers, (nq, nk)))
+                    found.append(_Module(path, parts, tuple(layers), (nq, nk)))
                     continue
             raise ValueError(
                 f"`qk_clip` needs, in the attention module at {path_str(path)}, "
                 "query and key leaves of one layer count, whose key heads divide "
-                f"the query heads (GQA); got (layers, heads) {sorted(shapes[0])} "
+                f"the query heads (GQA); got (layers..., heads) {sorted(shapes[0])} "
                 f"and {sorted(shapes[1])}."
             )
         if not found:
@@ -189,6 +166,55 @@ def qk_clip(
                 f"{query!r} and a {key!r} child (name them with `query=`, `key=`)."
             )
         return found
+
+    def logits_of(m: _Module, records: _leaves.Leaves) -> jax.Array:
+        """The module's largest logit per layer and head, whole on every
+        device: the logits found below its path (a linen `sow`'s tuple: their
+        max), reduced over every axis but the leading layers and the last
+        (the batch, over the mesh axes that split it), the rest gathered.
+
+        Raises:
+          ValueError: naming the module, if no array or several are found
+            below its path, or their shape does not fit its layers and heads.
+        """
+        mine = _leaves.path_keys(m.path)
+        below = [r for r in records if _leaves.path_keys(r.path)[: len(mine)] == mine]
+        homes = {"/".join(_leaves.path_keys(_unsown(r.path))) for r in below}
+        if len(homes) != 1:
+            found = homes or {
+                "/".join(_leaves.path_keys(_unsown(r.path))) for r in records
+            }
+            raise ValueError(
+                f"`max_logits` holds {'several arrays' if homes else 'no array'} for "
+                f"the attention module at {path_str(m.path)}, where it must mirror "
+                f"`params` (docs/qk-clip.md); its entries are at {sorted(found)[:4]}."
+            )
+        x = jnp.stack([jnp.asarray(r.x, jnp.float32) for r in below]).max(0)
+        n, first = len(m.layers), below[0]
+        dims = first.dims if logit_specs is not None and first.dims else ()
+        s = x
+        if x.ndim > n:
+            batch = tuple(range(n, x.ndim - 1))
+            # The batch may be split across devices: the max over its mesh axes.
+            split = names if names and logit_specs is None else first.split(batch)
+            s = _engine.pmax_all(jnp.max(x, axis=batch), [split])
+            for i, d in enumerate([*range(n), x.ndim - 1] if dims else ()):
+                s = _engine.gathered(s, i, dims[d]) if dims[d] else s
+        if s.shape != (*m.layers, m.heads[0]):
+            raise ValueError(
+                f"`max_logits` for the attention module at {path_str(m.path)} has "
+                f"shape {x.shape}; it needs the module's layers {m.layers} first "
+                f"and its {m.heads[0]} query heads last."
+            )
+        return _leaves.replicated(s)
+
+    def mine(leaf: Leaf, whole: jax.Array, axes: list[int]) -> jax.Array:
+        """`whole`, whose dims are the leaf's `axes` whole, cut to the leaf's
+        block inside `shard_map`."""
+        for i, d in enumerate(axes):
+            split = leaf.dims[d] if leaf.dims else ()
+            whole = _engine.block(whole, i, split, leaf.x.shape[d])
+        return whole
 
     def state_of(tree: Any, found: list[_Module], *stats: dict) -> QKClipState:
         """The state: `stats` (per module path) in `tree`'s containers."""
@@ -207,11 +233,12 @@ def qk_clip(
 
     def init_fn(params: optax.Params) -> QKClipState:
         found = modules(params, checked(params))
+        layers = {m.path: m.parts[0][0].layers for m in found}
         return state_of(
             params,
             found,
-            {m.path: jnp.zeros(m.layers, jnp.float32) for m in found},
-            {m.path: jnp.zeros(m.layers, jnp.int32) for m in found},
+            {p: jnp.zeros(n, jnp.float32) for p, n in layers.items()},
+            {p: jnp.zeros(n, jnp.int32) for p, n in layers.items()},
         )
 
     def rescaled(leaf: Leaf, w: Any, base: jax.Array, rest: Any, cut: Any) -> Any:
@@ -219,20 +246,20 @@ def qk_clip(
         incoming update, scaled by `base` per head (by `rest` in a head's
         entries from `cut` on, on the axis after the heads, where given);
         where the scale is 1, the incoming update itself."""
-        inner, head = leaf.inner, head_of(leaf)
-        axes = [*leaf.layer_axes, head]
+        axes = axes_of(leaf)
         if cut is not None:
-            if inner.index(head) + 1 == len(inner):
+            inner = leaf.inner
+            if inner.index(axes[-1]) + 1 == len(inner):
                 raise ValueError(
                     f"`qk_clip` splits a head of the leaf at {path_str(leaf.path)} "
                     f"(`rope_dim`, `key_dim`) on the axis after `head_axis`, and its "
                     f"shape {tuple(leaf.x.shape)} has none."
                 )
-            axes.append(inner[inner.index(head) + 1])
-            size = leaf.x.shape[axes[-1]]
+            axes.append(inner[inner.index(axes[-1]) + 1])
+            size = leaf.size(axes[-1:])
             inside = jnp.arange(size) < (cut if cut >= 0 else size + cut)
             base = jnp.where(inside, base[..., None], rest[..., None])
-        scale = _placed(base, leaf, axes)
+        scale = leaf.broadcast(mine(leaf, base, axes), axes)
         acc = _leaves.accum_dtype(leaf.x.dtype)
         w = jnp.asarray(w).astype(acc)
         clipped = (w + leaf.x.astype(acc)) * scale - w
@@ -254,24 +281,14 @@ def qk_clip(
                 "`qk_clip` rescales heads by the step's largest attention logits: "
                 "call `tx.update(updates, state, params, max_logits=...)`."
             )
+        # An NNX intermediate holds a `sow`'s tuple: the tuple is the node.
+        sown = jax.tree.map(_leaves.unwrap, max_logits, is_leaf=_leaves.is_wrapper)
+        records = _leaves.leaves(sown, "qk_clip", specs=logit_specs, said="logit_specs")
         index = {leaf.path: i for i, leaf in enumerate(leaves)}
         out, tau = list(leaves.arrays), jnp.asarray(threshold, jnp.float32)
         found, peaks, counts = modules(params, leaves), {}, {}
         for m in found:
-            (nq, nk), n = m.heads, len(m.layers)
-            logits = _logits_at(max_logits, m.path)
-            if logits.shape[:n] != m.layers or logits.shape[n:][-1:] != (nq,):
-                raise ValueError(
-                    f"`max_logits` for the attention module at {path_str(m.path)} "
-                    f"has shape {logits.shape}; it needs the module's layers "
-                    f"{m.layers} first and its {nq} query heads last."
-                )
-            s = jnp.max(logits.astype(jnp.float32), tuple(range(n, logits.ndim - 1)))
-            first = m.parts[0][0]
-            heads = first.split([head_of(first)])
-            # The batch may be split across devices: the max over the rest.
-            spread = set(_engine.varying(s)) - set(first.split([*first.layer_axes]))
-            s = _engine.pmax_all(s, [tuple(spread - set(heads))])
+            (nq, nk), s = m.heads, logits_of(m, records)
             over = jnp.isfinite(s) & (s > tau)
             eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
             k_scale = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
@@ -284,9 +301,16 @@ def qk_clip(
                 for leaf in part:
                     i = index[leaf.path]
                     out[i] = rescaled(leaf, weights[i], base, rest, cut)
-            peaks[m.path] = _engine.pmax_all(jnp.max(s, axis=-1), [heads])
-            clipped = jnp.sum(over, axis=-1, dtype=jnp.int32)
-            counts[m.path] = _engine.complete([clipped], [heads])[0]
+            first = m.parts[0][0]
+            layers = list(first.layer_axes)
+            peaks[m.path] = mine(first, jnp.max(s, axis=-1), layers)
+            counts[m.path] = mine(first, jnp.sum(over, -1, dtype=jnp.int32), layers)
         return leaves.rebuild(out), state_of(params, found, peaks, counts)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unsown(path: KeyPath) -> KeyPath:
+    """A path without its last sequence index (an entry of a `sow`'s tuple)."""
+    sown = bool(path) and isinstance(path[-1], jax.tree_util.SequenceKey)
+    return path[:-1] if sown else path

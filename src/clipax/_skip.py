@@ -176,7 +176,10 @@ def skip_spikes(
         if loss is not None:
             loss = jnp.asarray(loss)
             _checks.jax_number("loss", loss, "a scalar: the step's loss")
-            values["loss"] = loss.astype(dtype)
+            # Inside shard_map, one decision on every device: the largest copy.
+            values["loss"] = _engine.pmax_all(loss, [_leaves.manual_axes()]).astype(
+                dtype
+            )
             extra_args = {**extra_args, "loss": loss}
         stats = {k: tuple(getattr(state, f"{k}_{s}") for s in STATS) for k in values}
         broken = ~jnp.all(jnp.isfinite(jnp.stack(list(values.values()))))

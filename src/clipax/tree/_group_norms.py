@@ -93,7 +93,7 @@ def group_norms(
         for dim, axis in enumerate(leaf.layer_axes):  # layers on other devices
             if leaf.dims and leaf.dims[axis]:  # in the spec's order of mesh axes
                 n = _engine.gathered(n, dim, leaf.dims[axis])
-        vectors.append(_engine.replicated(n).reshape(-1))
+        vectors.append(n.reshape(-1))
         layers.append(n.shape)
     members = _leaves.flat_keys(
         [leaf.path for leaf in leaves], layers, leaves.stacks.depths

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import chex
@@ -39,7 +38,7 @@ def _scales(norms: jax.Array, clip: ArrayLike) -> tuple[jax.Array, jax.Array]:
 
 
 def per_example_global_norm_clip(
-    grads: chex.ArrayTree, l2_norm_clip: ArrayLike
+    grads: chex.ArrayTree, l2_norm_clip: ArrayLike, *, specs: Any = None
 ) -> tuple[chex.ArrayTree, jax.Array]:
     """Clips each example's gradient to global norm `l2_norm_clip`, then sums.
 
@@ -55,6 +54,8 @@ def per_example_global_norm_clip(
       grads: a pytree of float arrays, each with the batch on axis 0.
       l2_norm_clip: the largest global norm of one example: a scalar >= 0,
         `inf`, or an array.
+      specs: inside `shard_map`, the `in_specs` of `grads`, the batch
+        included: the sums are completed over the mesh axes splitting it.
 
     Returns:
       `(summed, num_clipped)`: the sum over the batch of the clipped
@@ -62,8 +63,9 @@ def per_example_global_norm_clip(
       scaled down.
 
     Raises:
-      ValueError: if `l2_norm_clip` is not accepted, or a leaf has no axis 0 or
-        another batch size than the first leaf's.
+      ValueError: if `l2_norm_clip` is not accepted, a leaf has no axis 0 or
+        another batch size than the first leaf's, or inside `shard_map` the
+        layout is not given.
       TypeError: if a leaf is not a float array.
 
     Example:
@@ -79,7 +81,9 @@ def per_example_global_norm_clip(
       <https://arxiv.org/abs/1607.00133>`_, 2016.
     """
     l2_norm_clip = _checks.nonnegative("l2_norm_clip", l2_norm_clip, CLIP_ACCEPTED)
-    leaves = _leaves.leaves(grads, "per_example_global_norm_clip", batched=True)
+    leaves = _leaves.leaves(
+        grads, "per_example_global_norm_clip", batched=True, specs=specs
+    )
     if not leaves:
         return grads, jnp.zeros((), jnp.int32)
     dtype = _engine.tree_accum_dtype(leaves.arrays)
@@ -89,6 +93,12 @@ def per_example_global_norm_clip(
     )
     scales, num_clipped = _scales(norms, l2_norm_clip)
     summed = [_weighted_sum(scales, jnp.asarray(x)) for x in leaves.arrays]
+    # Each device summed its examples: the sums completed over the batch's axes.
+    batch = [leaf.split([0]) for leaf in leaves]
+    summed, (num_clipped,) = (
+        _engine.complete(summed, batch),
+        _engine.complete([num_clipped], batch[:1]),
+    )
     return leaves.rebuild(summed, batched=True), num_clipped
 
 
@@ -98,6 +108,7 @@ def per_example_layer_norm_clip(
     uniform: bool = True,
     *,
     stacked: Any = None,
+    specs: Any = None,
 ) -> tuple[chex.ArrayTree, chex.ArrayTree]:
     """Clips each example's gradient leaf by leaf (layer by layer), then sums.
 
@@ -118,6 +129,7 @@ def per_example_layer_norm_clip(
       stacked: None, or a prefix of `grads` holding, per subtree, how many
         axes after the batch axis index stacked layers, or a callable that
         returns one.
+      specs: as for `per_example_global_norm_clip`.
 
     Returns:
       `(summed, num_clipped)`: the sum over the batch of the clipped
@@ -147,17 +159,13 @@ def per_example_layer_norm_clip(
     )
     uniform = _checks.flag("uniform", uniform)
     leaves = _leaves.leaves(
-        grads, "per_example_layer_norm_clip", stacked=stacked, batched=True
+        grads, "per_example_layer_norm_clip", stacked=stacked, batched=True, specs=specs
     )
     inner = [leaf.inner[1:] for leaf in leaves]  # not the batch axis
-    count = sum(math.prod(leaf.layers) for leaf in leaves)  # layers in all
-    sizes = [
-        math.prod(leaf.x.shape[d] for d in axes)
-        for leaf, axes in zip(leaves, inner, strict=True)
-    ]
-    total_size = sum(
-        math.prod(leaf.layers) * size for leaf, size in zip(leaves, sizes, strict=True)
-    )
+    layers = [leaf.size(leaf.layer_axes) for leaf in leaves]  # the whole stacks'
+    count = sum(layers)
+    sizes = [leaf.size(axes) for leaf, axes in zip(leaves, inner, strict=True)]
+    total_size = sum(n * size for n, size in zip(layers, sizes, strict=True))
     summed, counts = [], []
     for leaf, n, size in zip(leaves, _engine.norms(leaves, inner), sizes, strict=True):
         share = 1.0 / count if uniform else (size / total_size if total_size else 0.0)
@@ -165,4 +173,6 @@ def per_example_layer_norm_clip(
         scales, num_clipped = _scales(n, jnp.asarray(clip, n.dtype) * share**0.5)
         summed.append(_weighted_sum(scales, jnp.asarray(leaf.x), leaf.layer_axes))
         counts.append(num_clipped)
+    batch = [leaf.split([0]) for leaf in leaves]
+    summed, counts = _engine.complete(summed, batch), _engine.complete(counts, batch)
     return leaves.rebuild(summed, batched=True), leaves.stats(counts)
