@@ -345,7 +345,9 @@ def test_a_per_layer_state_split_across_devices_is_refused_in_shard_map() -> Non
     inside = jax.shard_map(
         step, mesh=mesh, in_specs=(specs, state_specs), out_specs=P()
     )
-    with pytest.raises(ValueError, match=r"`norms` of the leaf at \['w'\] split.*'d'"):
+    with pytest.raises(
+        ValueError, match=r"`norms` of the leaf at \['w'\] is split.*'d'"
+    ):
         jax.jit(inside)(grads, state)
     # Outside shard_map, as `out_specs` assemble it, it reads every layer.
     update = jax.shard_map(

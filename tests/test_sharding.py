@@ -76,14 +76,14 @@ def test_global_norm_in_shard_map_equals_one_device(
     )
     got = fn(_shard(mesh, host))
     np.testing.assert_allclose(got, clipax.tree.global_norm(host, ord=ord), rtol=1e-6)
-    # Without `specs`, each device sees only its block: its norm is wrong.
+    # Without `specs`, a device's block is not the leaf: refused, naming it.
     local = _shard_map(
         mesh,
         lambda t: clipax.tree.global_norm(t, ord=ord).reshape(1),
         P(("data", "model")),
-    )(_shard(mesh, host))
-    assert local.shape == (8,)
-    assert not np.allclose(local, clipax.tree.global_norm(host, ord=ord), rtol=1e-3)
+    )
+    with pytest.raises(ValueError, match=r"leaf at \['b'\].*\('data', 'model'\)"):
+        local(_shard(mesh, host))
 
 
 @pytest.mark.parametrize("ord", ORDS)
@@ -193,11 +193,12 @@ def test_small_leaves_in_shard_map_equal_one_device(
 def test_local_per_leaf_clipping_keeps_what_each_leaf_varies_over(
     mesh: jax.sharding.Mesh,
 ) -> None:
-    # Without `specs`, each leaf is clipped by its own block's norm. The leaves
-    # vary over different mesh axes (or none), in stacks of small leaves of
-    # one shape and as whole leaves: each output varies over its own leaf's
-    # axes only, as `out_specs` requires (one pack or stack for leaves of
-    # different axes would make every output vary over all of them).
+    # With `specs=P()` (each device's block a tensor of its own), each leaf is
+    # clipped by its block's norm. The leaves vary over different mesh axes
+    # (or none), in stacks of small leaves of one shape and as whole leaves:
+    # each output varies over its own leaf's axes only, as `out_specs`
+    # requires (one pack or stack for leaves of different axes would make
+    # every output vary over all of them).
     rng = np.random.default_rng(5)
     shapes = {"x": (4, 4), "y": (8,), "z": (3,)}
     shapes |= {"s0": (4, 3), "s1": (4, 3), "t0": (8, 3), "t1": (8, 3), "r": (2, 3)}
@@ -206,7 +207,7 @@ def test_local_per_leaf_clipping_keeps_what_each_leaf_varies_over(
     specs |= {"s0": P("data"), "s1": P("data"), "t0": P("model"), "t1": P("model")}
     fn = jax.jit(
         jax.shard_map(
-            lambda t: clipax.tree.clip_by_norm(t, 1.0),
+            lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=P()),
             mesh=mesh,
             in_specs=(specs,),
             out_specs=specs,

@@ -86,8 +86,7 @@ def adaptive_grad_clip(
         ints: the axes each unit spans, for every leaf (within one layer).
       stacked: None, or a prefix of the updates holding, per subtree, how many
         leading axes index stacked layers, or a callable that returns one.
-      specs: inside `shard_map`, the `in_specs` of the updates (and of the
-        params, laid out alike): each unit's norms are the whole unit's.
+      specs: inside `shard_map`, the `in_specs` of the updates and params.
 
     Returns:
       An `optax.GradientTransformation` with state `optax.EmptyState`.

@@ -369,13 +369,13 @@ def leaves(
     for leaf in items:
         if error := _dtype_error(fn_name, leaf, kind):
             raise TypeError(error)
+    batch = next((leaf.x.shape[0] for leaf in items if leaf.x.ndim), None)
     for leaf in items if batched else ():
-        if not leaf.x.ndim or leaf.x.shape[0] != items[0].x.shape[0]:
+        if not leaf.x.ndim or leaf.x.shape[0] != batch:
             raise ValueError(
                 f"`{fn_name}` takes per-example gradients: every leaf must have the "
-                f"same batch size on axis 0 ({items[0].x.shape[0]}, from the first "
-                f"leaf); the leaf at {path_str(leaf.path)} has shape "
-                f"{tuple(leaf.x.shape)}."
+                f"same batch size on axis 0 ({batch}, from the first leaf); the leaf "
+                f"at {path_str(leaf.path)} has shape {tuple(leaf.x.shape)}."
             )
     if stacked is not None:
         entry_types = (numbers.Integral, LayerAxes)

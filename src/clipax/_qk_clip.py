@@ -55,12 +55,10 @@ def qk_clip(
     logit exceeded `threshold`, so that it is at most `threshold`.
 
     QK-Clip (Kimi K2's MuonClip), last in a chain: a head whose largest logit
-    `S` is above `threshold` has its query weights scaled by `eta**alpha`,
-    its key weights by `eta**(1 - alpha)`, `eta = threshold / S`. A module
-    is a node of `params` holding a `query` and a `key`; `update(...,
-    max_logits=)` mirrors `params` down to each, holding its logits, heads
-    last. GQA/MQA: a key head takes its group's smallest share, each query
-    head the rest; MLA: `rope_dim`, `key_dim` (docs/qk-clip.md).
+    `S` is above `threshold` has its query weights scaled by `eta**alpha`, its
+    key weights by `eta**(1 - alpha)`, `eta = threshold / S`. `update(...,
+    max_logits=)` mirrors `params` down to each module (a node holding a
+    `query` and a `key`), holding its logits, heads last (docs/qk-clip.md).
 
     Args:
       threshold: the largest logit allowed (tau), a finite real > 0 or an array.
@@ -68,12 +66,11 @@ def qk_clip(
       query: the name of the query projection's node in a module.
       key: the name of the key projection's node in a module.
       head_axis: the heads' axis of each projection leaf, within one layer.
-      rope_dim: a query head's trailing entries taking `eta` whole (MLA).
-      key_dim: None, or a key head's leading entries scaled (fused k/v).
+      rope_dim: MLA: a query head's trailing entries, scaled by `eta` whole.
+      key_dim: MLA: None, or a key head's leading entries, scaled (fused k/v).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
-      axis_name: FSDP inside `shard_map`: the mesh axes every leaf is split
-        over (along other axes than its heads and layers), and the batch of
-        `max_logits` too (docs/scaling-out.md).
+      axis_name: FSDP: the mesh axes splitting every leaf (not along its heads)
+        and the logits' batch (docs/scaling-out.md).
       specs: inside `shard_map`, the `in_specs` of the updates.
       logit_specs: inside `shard_map`, the `in_specs` of `max_logits`.
 
@@ -81,17 +78,15 @@ def qk_clip(
       A `GradientTransformationExtraArgs`; its state is a `QKClipState`.
 
     Raises:
-      ValueError: if an argument is not accepted, `params` holds no module,
-        `params` or `max_logits` is missing or does not fit a module, or,
-        inside `shard_map`, a layout it needs was not given.
+      ValueError: if an argument, `params` or `max_logits` is missing or not
+        accepted, or a layout it needs is not given (inside `shard_map`).
       TypeError: if a leaf or parameter is not a float array.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp
       >>> import clipax
       >>> params = {"attn": {"query": jnp.ones((4, 2, 3)), "key": jnp.ones((4, 2, 3))}}
-      >>> tx = clipax.qk_clip(100.0)
-      >>> zeros = {"attn": {"query": jnp.zeros((4, 2, 3)), "key": jnp.zeros((4, 2, 3))}}
+      >>> tx, zeros = clipax.qk_clip(100.0), jax.tree.map(jnp.zeros_like, params)
       >>> logits = {"attn": jnp.array([[400.0, 50.0]])}  # (batch, heads)
       >>> updates, state = tx.update(zeros, tx.init(params), params, max_logits=logits)
       >>> (params["attn"]["query"] + updates["attn"]["query"])[0, :, 0]
