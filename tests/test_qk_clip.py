@@ -73,11 +73,13 @@ def head_max(s: np.ndarray) -> np.ndarray:
 def reference(
     module: dict, s: np.ndarray, alpha: float, rope_dim: int = 0, key_dim: Any = None
 ) -> dict:
-    """QK-Clip's rule in float64 NumPy, on a module's weights."""
+    """QK-Clip's rule in float64 NumPy, on a module's weights: each group's
+    hottest head lands at TAU, its factor split by `alpha`; the other query
+    heads of the group shrink as little as they can without growing."""
     nq, nk = module["query"]["kernel"].shape[1], module["key"]["kernel"].shape[1]
     eta = np.where(s > TAU, TAU / s, 1.0)
     k_scale = eta.reshape(nk, nq // nk).min(axis=1) ** (1 - alpha)
-    q_scale = eta / np.repeat(k_scale, nq // nk)
+    q_scale = np.minimum(eta / np.repeat(k_scale, nq // nk), 1.0)
     out = jax.tree.map(np.array, module)
     for name in ("kernel", "bias"):
         q = out["query"][name]
@@ -126,13 +128,94 @@ def test_equals_the_formula_and_caps_each_heads_logit(
     clipped = jax.tree.map(lambda p, u: np.asarray(p + u, np.float64), params, updates)
     want = reference(module, s, alpha, rope_dim, key_dim)
     chex.assert_trees_all_close(clipped["attn"], want, rtol=2e-5, atol=1e-6)
+    # Every head at or below min(S, TAU); each group's hottest head at TAU.
     after = head_max(logits(clipped["attn"], x, rope_dim, key_dim)).max(axis=0)
-    np.testing.assert_allclose(after, np.minimum(s, TAU), rtol=1e-5)
-    np.testing.assert_allclose(state.max_logit["attn"], s.max(), rtol=1e-6)
+    assert np.all(after <= np.minimum(s, TAU) * (1 + 1e-5))
+    nk = shape["nk"]
+    hottest = s.reshape(nk, -1).max(axis=1)
+    landed = after.reshape(nk, -1).max(axis=1)
+    np.testing.assert_allclose(landed, np.minimum(hottest, TAU), rtol=1e-5)
+    if nk == shape["nq"]:  # MHA, MLA: every head at exactly min(S, TAU)
+        np.testing.assert_allclose(after, np.minimum(s, TAU), rtol=1e-5)
+    np.testing.assert_allclose(state.max_logit["attn"], s, rtol=1e-6)
     assert int(state.clipped_heads["attn"]) == int((s > TAU).sum())
-    assert clipped["attn"]["rope_key"] is not None if rope_dim else True
     if rope_dim:  # the shared rotary key is untouched
         np.testing.assert_array_equal(updates["attn"]["rope_key"], 0.0)
+
+
+def megatron_group(module: dict, s: np.ndarray, alpha: float) -> dict:
+    """Megatron-LM's `SelfAttention.clip_qk` (GQA) in float64 NumPy, as it
+    computes it: per query group, its largest logit; `eta = clamp(TAU / that,
+    max=1)`; the group's query heads times `eta**alpha`, its key head times
+    `eta**(1 - alpha)`. (Megatron leaves biases alone; clipax scales them so
+    that the logits land exactly, as for the kernels here.)"""
+    nq, nk = module["query"]["kernel"].shape[1], module["key"]["kernel"].shape[1]
+    grouped_max = s.reshape(nk, nq // nk).max(axis=1)
+    eta = np.minimum(TAU / grouped_max, 1.0)
+    out = jax.tree.map(np.array, module)
+    for name in ("kernel", "bias"):
+        q = out["query"][name].reshape(*out["query"][name].shape[:-2], nk, -1, DH)
+        out["query"][name] = (q * eta[:, None, None] ** alpha).reshape(
+            out["query"][name].shape
+        )
+        out["key"][name] = out["key"][name] * eta[:, None] ** (1 - alpha)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 0.3])
+def test_gqa_group_is_megatrons_rule(alpha: float) -> None:
+    rng = np.random.default_rng(11)
+    module = attention_params(rng, 8, 2)
+    s = np.array([300.0, 20.0, 90.0, 5.0, 14.0, 2.0, 9.0, 1.0])  # group 1 under
+    params = {"attn": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), module)}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = clipax.qk_clip(TAU, alpha=alpha, gqa="group")
+    updates, _ = jax.jit(tx.update)(
+        zeros, tx.init(params), params, max_logits={"attn": jnp.asarray(s[None])}
+    )
+    clipped = jax.tree.map(lambda p, u: np.asarray(p + u, np.float64), params, updates)
+    want = megatron_group(module, s, alpha)
+    chex.assert_trees_all_close(clipped["attn"], want, rtol=2e-5, atol=1e-6)
+    for part in ("query", "key"):  # the group under TAU: bit for bit
+        got = np.asarray(updates["attn"][part]["kernel"])
+        assert np.all(got[:, -(got.shape[1] // 2) :] == 0.0)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0])
+def test_gqa_never_grows_a_weight_and_leaves_cool_groups_alone(alpha: float) -> None:
+    # Group 0: head 0 at 300 (over TAU), head 1 at 10 (under); group 1 under.
+    rng = np.random.default_rng(12)
+    params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 2))}
+    incoming = jax.tree.map(
+        lambda a: jnp.asarray(rng.normal(size=a.shape) * 1e-3, a.dtype), params
+    )
+    s = jnp.array([[300.0, 10.0, 3.0, 2.0]])
+    tx = clipax.qk_clip(100.0, alpha=alpha)
+    out, state = tx.update(incoming, tx.init(params), params, max_logits={"attn": s})
+    new = optax.apply_updates(params, out)["attn"]
+    moved = optax.apply_updates(params, incoming)["attn"]
+    eta = 100.0 / 300.0
+    for name in ("kernel", "bias"):
+        q, q0 = np.asarray(new["query"][name]), np.asarray(moved["query"][name])
+        k, k0 = np.asarray(new["key"][name]), np.asarray(moved["key"][name])
+        # The hottest head lands at TAU, split by alpha; head 1 keeps its
+        # query weights (the old rule grew them by 1.73 at alpha 0.5, 3 at 0).
+        np.testing.assert_allclose(q[..., 0, :], q0[..., 0, :] * eta**alpha, rtol=1e-6)
+        np.testing.assert_allclose(q[..., 1, :], q0[..., 1, :], rtol=1e-6)
+        np.testing.assert_allclose(
+            k[..., 0, :], k0[..., 0, :] * eta ** (1 - alpha), rtol=1e-6
+        )
+        # Group 1 (query heads 2, 3; key head 1): the incoming update, bit for bit.
+        np.testing.assert_array_equal(
+            np.asarray(out["attn"]["query"][name])[..., 2:, :],
+            np.asarray(incoming["attn"]["query"][name])[..., 2:, :],
+        )
+        np.testing.assert_array_equal(
+            np.asarray(out["attn"]["key"][name])[..., 1, :],
+            np.asarray(incoming["attn"]["key"][name])[..., 1, :],
+        )
+    np.testing.assert_allclose(state.max_logit["attn"], s[0])
+    assert int(state.clipped_heads["attn"]) == 1
 
 
 def test_heads_under_the_threshold_and_other_leaves_pass_bit_for_bit() -> None:
@@ -201,10 +284,17 @@ def test_stacked_equals_unrolled(axis: int) -> None:
         chex.assert_trees_all_close(got, u_new[i]["attn"], rtol=1e-6)
     logs, u_logs = clipax.metrics(state), clipax.metrics(u_state)
     assert list(logs) == list(u_logs)
-    assert list(logs)[:2] == [
-        "qk_clip/blocks/0/attn/max_logit",
-        "qk_clip/blocks/1/attn/max_logit",
+    assert list(logs)[:5] == [  # layers first, then heads
+        "qk_clip/blocks/0/attn/0/max_logit",
+        "qk_clip/blocks/0/attn/1/max_logit",
+        "qk_clip/blocks/0/attn/2/max_logit",
+        "qk_clip/blocks/0/attn/3/max_logit",
+        "qk_clip/blocks/1/attn/0/max_logit",
     ]
+    assert "qk_clip/blocks/2/attn/clipped_heads" in logs
+    np.testing.assert_allclose(
+        logs["qk_clip/blocks/1/attn/3/max_logit"], per_layer[1, :, 3].max(), rtol=1e-6
+    )
     for k in logs:
         np.testing.assert_allclose(logs[k], u_logs[k], rtol=1e-6, err_msg=k)
 
@@ -234,7 +324,7 @@ def test_the_logits_as_linen_and_nnx_sow_them() -> None:
     array = inter["intermediates"]["attn"]["max_logits"][0]
     want, _ = tx.update(zeros, state, variables, max_logits={"params": {"attn": array}})
     chex.assert_trees_all_equal(got, want)
-    assert float(state.max_logit["params"]["attn"]) == pytest.approx(float(array.max()))
+    chex.assert_trees_all_close(state.max_logit["params"]["attn"], array.max(axis=0))
     # NNX: an Intermediate variable holding the sown tuple.
     nnx_logits = {"params": {"attn": {"max_logits": nnx.Intermediate((array,))}}}
     got_nnx, _ = tx.update(zeros, state, variables, max_logits=nnx_logits)
@@ -348,6 +438,12 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
             r"`rope_dim` must be an int >= 0; got -1",
         ),
         (
+            lambda: clipax.qk_clip(1.0, gqa="kv"),
+            None,
+            ValueError,
+            r"`gqa` must be \"head\" or \"group\"; got 'kv'",
+        ),
+        (
             lambda: clipax.qk_clip(1.0),
             "no params",
             ValueError,
@@ -442,3 +538,83 @@ def test_a_layer_count_that_does_not_match_is_refused() -> None:
         tx.update(
             params, tx.init(params), params, max_logits={"blocks": jnp.ones((2, 5, 4))}
         )
+
+
+def test_a_scanned_module_without_stacked_is_refused_never_merged() -> None:
+    # Query and key (layers 2, embed 4, heads 2, head_dim 3); only layer 0's
+    # head 0 over TAU. Read as one layer, its max would clip layer 1's head 0.
+    rng = np.random.default_rng(13)
+    params = {
+        "attn": {
+            part: jnp.asarray(rng.normal(size=(2, 4, 2, 3)), jnp.float32)
+            for part in ("query", "key")
+        }
+    }
+    s = jnp.array([[[4 * TAU, 1.0]], [[2.0, 3.0]]])  # (layers, batch, heads)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = clipax.qk_clip(TAU)
+    with pytest.raises(ValueError, match=r"\['attn'\].*leading axis of 2.*`stacked=`"):
+        tx.update(zeros, tx.init(params), params, max_logits={"attn": s})
+    stacked = clipax.qk_clip(TAU, stacked=1)
+    out, state = stacked.update(
+        zeros, stacked.init(params), params, max_logits={"attn": s}
+    )
+    for part in ("query", "key"):
+        moved = np.asarray(out["attn"][part])
+        assert np.any(moved[0, :, 0] != 0) and np.all(moved[0, :, 1] == 0)
+        assert np.all(moved[1] == 0)  # layer 1 untouched
+    np.testing.assert_array_equal(state.clipped_heads["attn"], [1, 0])
+
+
+def test_maxtexts_nnx_logits_below_the_module_are_found() -> None:
+    # MaxText NNX sows at self_attention/attention_op/max_logits.
+    rng = np.random.default_rng(14)
+    attn = jax.tree.map(jnp.asarray, attention_params(rng, 4, 4))
+    params = {"decoder": {"layers": {"self_attention": attn}}}
+    s = jnp.asarray(rng.normal(size=(B, 4)) * 5).at[0, 2].set(3 * TAU)
+    sown = {"attention_op": {"max_logits": nnx.Intermediate((s,))}}
+    logits = {"decoder": {"layers": {"self_attention": sown}}}
+    tx = clipax.qk_clip(TAU)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    got, state = tx.update(zeros, tx.init(params), params, max_logits=logits)
+    plain = {"decoder": {"layers": {"self_attention": s}}}
+    want, _ = tx.update(zeros, state, params, max_logits=plain)
+    chex.assert_trees_all_equal(got, want)
+    assert int(state.clipped_heads["decoder"]["layers"]["self_attention"]) == 1
+    # Two arrays below one module: refused, naming both.
+    both = {"decoder": {"layers": {"self_attention": {"a": s, "b": s}}}}
+    with pytest.raises(ValueError, match=r"several arrays.*self_attention/a.*/b"):
+        tx.update(zeros, state, params, max_logits=both)
+
+
+def test_each_heads_logit_and_each_layers_count_are_logged() -> None:
+    rng = np.random.default_rng(15)
+    params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 2))}
+    s = jnp.array([[50.0, 1.0, 20.0, 3.0], [2.0, 4.0, 5.0, 6.0]])  # (batch, heads)
+    tx = clipax.qk_clip(TAU)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    _, state = jax.jit(tx.update)(
+        zeros, tx.init(params), params, max_logits={"attn": s}
+    )
+    logs = clipax.metrics(state)
+    assert list(logs) == [
+        *(f"qk_clip/attn/{h}/max_logit" for h in range(4)),
+        "qk_clip/attn/clipped_heads",
+    ]
+    np.testing.assert_allclose(
+        [logs[f"qk_clip/attn/{h}/max_logit"] for h in range(4)], [50.0, 4.0, 20.0, 6.0]
+    )
+    assert logs["qk_clip/attn/clipped_heads"] == 2
+
+
+def test_a_flat_kernel_is_named_with_the_heads_axis_read() -> None:
+    # (embed, heads * head_dim): `head_axis=-2` reads the embed axis as heads.
+    params = {"attn": {"query": jnp.ones((16, 8)), "key": jnp.ones((16, 8))}}
+    tx = clipax.qk_clip(TAU)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    with pytest.raises(
+        ValueError,
+        match=r"its 16 query heads last: the heads read on axis 0 \(`head_axis`=-2\) "
+        r"of the query leaf at \['attn'\]\['query'\], shape \(16, 8\)",
+    ):
+        tx.update(zeros, tx.init(params), params, max_logits={"attn": jnp.ones((3, 2))})

@@ -112,6 +112,16 @@ class Mod3(eqx.Module):
     r: Any
 
 
+class QK(NamedTuple):  # an attention module: its query and its key
+    q: Any
+    k: Any
+
+
+class QKModule(eqx.Module):
+    q: Any
+    k: Any
+
+
 NAMEDTUPLES = {1: Single, 2: Pair, 3: Triple}
 MODULES = {1: Mod1, 2: Mod2, 3: Mod3}
 KINDS = ("dict", "list", "tuple", "namedtuple", "module")
@@ -120,6 +130,8 @@ ORDERS = (1, 2, 3.0, math.inf)
 
 
 def container(kind: str, keys: tuple[str, ...], values: list[Any]) -> Any:
+    if keys == ("q", "k") and kind in ("namedtuple", "module"):
+        return (QK if kind == "namedtuple" else QKModule)(*values)
     if kind == "dict":
         return dict(zip(keys, values, strict=True))
     if kind == "list":
@@ -808,3 +820,95 @@ def test_per_example_sums_of_named_arrays_drop_the_batch_axis() -> None:
     assert [x.axis_names for x in twin_summed["w"]] == [("a0",)] * 4
     assert summed["w"].axis_names == ("a0", "layers")
     assert_well_formed((summed, twin_summed), "per_example_layer_norm_clip")
+
+
+# QK-Clip: attention modules (a dict, a NamedTuple or an Equinox module holding
+# a query "q" and a key "k", heads on axis -2, GQA), stacked at any axes or
+# not, beside a leaf it passes through; `max_logits` per module, its layers
+# first, over the steps of the scan at three sizes about TAU.
+
+QK_TAU = 4.0
+
+
+@st.composite
+def attention_cases(draw: Any) -> Node:
+    children = []
+    for name in ("a", "b"):
+        nq = draw(st.sampled_from((2, 4)))
+        nk = draw(st.sampled_from([n for n in (1, 2, 4) if nq % n == 0]))
+        named, seed = draw(st.booleans()), draw(st.integers(0, 2**16))
+        module = Node(
+            draw(st.sampled_from(("dict", "namedtuple", "module"))),
+            (
+                ("q", Leaf((2, nq, 2), named, seed, True)),
+                ("k", Leaf((2, nk, 2), named, seed + 1, True)),
+            ),
+            collapse=True,
+        )
+        if draw(st.booleans()):
+            layers = _layers(draw)
+            module = Stack(_entry(draw, module, layers), layers, module)
+        children.append((name, module))
+    return Node("dict", (*children, ("w", Leaf((3,), False, 9, False))))
+
+
+def attention_logits(spec: Any, layers: tuple[int, ...] = ()) -> Any:
+    """`max_logits` for `spec`'s tree: per module (layers..., batch, heads)."""
+    if isinstance(spec, Stack):
+        return attention_logits(spec.child, spec.layers)
+    if isinstance(spec, Node) and [k for k, _ in spec.children] == ["q", "k"]:
+        leaf = spec.children[0][1]
+        rng = np.random.default_rng(leaf.seed)
+        shape = (*layers, BATCH, leaf.shape[1])
+        return rng.uniform(0, 2 * QK_TAU, shape).astype(np.float32)
+    if isinstance(spec, Node):
+        return {k: attention_logits(c) for k, c in spec.children}
+    return None
+
+
+@TWINS
+@given(spec=attention_cases())
+def test_qk_clip_equals_the_unrolled_twin(spec: Node) -> None:
+    prefix, case = prefix_of(spec), Case(spec, 1, (), True)
+    stacked, twin, _ = inputs(case)
+    logits = attention_logits(spec)
+    # The logits' layers come first: each stack's entry as its count of axes.
+    leading = jax.tree.map(
+        lambda e: len(e.axes) if isinstance(e, clipax.LayerAxes) else e,
+        prefix,
+        is_leaf=is_entry,
+    )
+    twin_logits = unroll(logits, leading)
+
+    def steps(stacked: Any, x: Inputs, logits: Any) -> tuple:
+        tx = clipax.qk_clip(QK_TAU, query="q", key="k", stacked=stacked)
+
+        def run(a: Any, b: Any, params: Any) -> tuple:
+            def step(state: Any, at: tuple) -> tuple:
+                scale, mix = at
+                grads = jax.tree.map(lambda u, v: u * scale + v * mix, a, b)
+                seen = jax.tree.map(lambda s: s * scale, logits)
+                updates, state = tx.update(grads, state, params, max_logits=seen)
+                assert_well_formed((updates, state), "qk_clip")
+                return state, (plain(updates), clipax.metrics(state))
+
+            state, (updates, logs) = jax.lax.scan(
+                step, tx.init(params), (SCALES, MIXES)
+            )
+            return updates, logs, clipax.metrics(state)
+
+        return run, (x.a, x.b, x.params)
+
+    (s_updates, s_logs, s_final), (t_updates, t_logs, t_final) = jit_both(
+        steps(prefix, stacked, logits), steps(None, twin, twin_logits)
+    )
+    assert_same_logs(s_logs, t_logs, "qk_clip", (STEPS,))
+    assert_series_end_in(s_logs, s_final, "stacked qk_clip")
+    assert_series_end_in(t_logs, t_final, "twin qk_clip")
+    assert any(np.any(as_float(v) > 0) for k, v in t_final.items() if "clipped" in k)
+    chex.assert_trees_all_close(
+        unroll(s_updates, prefix, stacked.a, cut_array(1)),
+        t_updates,
+        rtol=RTOL,
+        atol=ATOL,
+    )

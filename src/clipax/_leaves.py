@@ -683,6 +683,7 @@ def flat_keys(
     paths: Sequence[KeyPath],
     layers: Sequence[tuple[int, ...]],
     depths: Sequence[int | None] = (),
+    heads: int = 0,
 ) -> list[tuple[int, list[str], int]]:
     """The tensors of a tree as the unrolled model has them, in its order
     (layer by layer through each stack): for each, its leaf, its key path, and
@@ -690,7 +691,8 @@ def flat_keys(
     concatenated. A layer index goes right after the node of the leaf's
     `stacked=` entry (`depths`: that node's depth, per leaf; after the leaf's
     own keys without one): the keys depend on that entry alone, never on the
-    other leaves, nor on two stacks having equal layer counts.
+    other leaves, nor on two stacks having equal layer counts. The last
+    `heads` axes of `layers` (attention heads) are keyed after the leaf's own.
     """
     keys = [path_keys(path) for path in paths]
     depths = depths or [None] * len(keys)
@@ -700,11 +702,18 @@ def flat_keys(
     i = 0
     while i < len(paths):
         d, root, j = depth[i], keys[i][: depth[i]], i + 1
-        while layers[i] and j < len(paths) and depth[j] == d and keys[j][:d] == root:
+        while (
+            len(layers[i]) > heads
+            and j < len(paths)
+            and depth[j] == d
+            and keys[j][:d] == root
+        ):
             j += 1  # the leaves of one stack
-        for index in np.ndindex(*layers[i]):
+        for index in np.ndindex(*layers[i][: len(layers[i]) - heads]):
             for m in range(i, j):
-                at = offsets[m] + np.ravel_multi_index(index, layers[m])
-                out.append((m, [*root, *map(str, index), *keys[m][d:]], int(at)))
+                for head in np.ndindex(*layers[m][len(layers[m]) - heads :]):
+                    at = offsets[m] + np.ravel_multi_index(index + head, layers[m])
+                    labels = [*map(str, index), *keys[m][d:], *map(str, head)]
+                    out.append((m, [*root, *labels], int(at)))
         i = j
     return out

@@ -153,15 +153,16 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
         list(scalars.values()),
         {k: (j, None) for j, k in enumerate(scalars)},
     )
-    tensors: dict[str, Any] = {}
-    paths: list[Any] = []
+    tensors: dict[str, tuple[Any, list[tuple[str, int]]]] = {}
+    depths = getattr(state, "stacks", Stacks()).depths
     manual = manual_axes()
     known = bool(manual) and types_checked(manual)
     for field, stat in declared.per_tensor.items():
+        heads = int(field in declared.per_head)  # after the layers, unsplit
         flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
         paths, values = [p for p, _ in flat[0]], [unwrap(v) for _, v in flat[0]]
         for path, v in zip(paths, values, strict=True):
-            if manual and (varying(v) or (np.ndim(v) and not known)):
+            if manual and (varying(v) or (np.ndim(v) > heads and not known)):
                 raise ValueError(
                     f"`clipax.metrics` cannot tell whether the `{field}` of the "
                     f"leaf at {path_str(path)} is split across devices (inside "
@@ -171,18 +172,32 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
                     "Read the state outside shard_map, as its `out_specs` assemble it."
                 )
         shapes = [np.shape(v) for v in values]
-        tensors[stat] = jnp.concatenate(
+        vector = jnp.concatenate(
             [replicated(jnp.asarray(v)).reshape(-1) for v in values] or [jnp.zeros(0)]
         )
+        tensors[stat] = (vector, _keyed(paths, shapes, depths, heads))
     if "norm" in tensors and "threshold" in tensors:
-        tensors |= _clip_facts(tensors["norm"], tensors["threshold"])
-    if not tensors:
-        return arrays, where
-    depths = getattr(state, "stacks", Stacks()).depths
+        facts = _clip_facts(tensors["norm"][0], tensors["threshold"][0])
+        tensors |= {k: (v, tensors["norm"][1]) for k, v in facts.items()}
+    for stat, (vector, entries) in tensors.items():
+        arrays.append(vector)
+        for joined, flat_index in entries:
+            _put(where, f"{joined}{SEPARATOR}{stat}", (len(arrays) - 1, flat_index))
+    return arrays, where
+
+
+def _keyed(
+    paths: list[Any], shapes: list[tuple[int, ...]], depths: Any, heads: int
+) -> list[tuple[str, int]]:
+    """Each entry of a per-tensor statistic's vector: its key and place.
+
+    Raises:
+      ValueError: naming both leaves, if two paths join to one key.
+    """
     entries: list[tuple[str, int]] = []
     seen: dict[str, Any] = {}
-    for i, keys, flat_index in flat_keys(paths, shapes, depths):
-        joined = SEPARATOR.join(keys) or "root"
+    for i, keys, flat_index in flat_keys(paths, shapes, depths, heads):
+        joined = SEPARATOR.join(keys if paths[i] else ["root", *keys])
         if seen.setdefault(joined, paths[i]) != paths[i]:
             raise ValueError(
                 f"`clipax.metrics` got the leaves at {path_str(seen[joined])} and "
@@ -191,11 +206,7 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
                 f"no dict key holds {SEPARATOR!r}."
             )
         entries.append((joined, flat_index))
-    for stat, vector in tensors.items():
-        arrays.append(vector)
-        for joined, flat_index in entries:
-            _put(where, f"{joined}{SEPARATOR}{stat}", (len(arrays) - 1, flat_index))
-    return arrays, where
+    return entries
 
 
 def _walk(node: Any, path: list[str], found: list[tuple[list[str], Any]]) -> None:

@@ -18,15 +18,17 @@ from clipax._leaves import KeyPath, Leaf, path_str
 
 
 @_states.declare(
-    "qk_clip", per_tensor={"max_logit": "max_logit", "clipped_heads": "clipped_heads"}
+    "qk_clip",
+    per_tensor={"max_logit": "max_logit", "clipped_heads": "clipped_heads"},
+    per_head=("max_logit",),
 )
 class QKClipState(NamedTuple):
     """State of `qk_clip`: what the last update saw, per attention module."""
 
     max_logit: chex.ArrayTree  # the params' containers, holding at each
-    # attention module a float32 scalar (a vector, one per layer, for a
-    # stacked module): its largest attention logit; None elsewhere
-    clipped_heads: chex.ArrayTree  # likewise, int32: its heads clipped
+    # attention module a float32 [layers..., query heads]: each head's
+    # largest attention logit (per layer of a stacked module); None elsewhere
+    clipped_heads: chex.ArrayTree  # likewise, int32 [layers...]: heads clipped
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
@@ -50,15 +52,16 @@ def qk_clip(
     axis_name: str | Sequence[str] | None = None,
     specs: Any = None,
     logit_specs: Any = None,
+    gqa: str = "head",
 ) -> optax.GradientTransformationExtraArgs:
     """Rescales the query and key weights of every attention head whose largest
     logit exceeded `threshold`, so that it is at most `threshold`.
 
     QK-Clip (Kimi K2's MuonClip), last in a chain: a head whose largest logit
     `S` is above `threshold` has its query weights scaled by `eta**alpha`, its
-    key weights by `eta**(1 - alpha)`, `eta = threshold / S`. `update(...,
-    max_logits=)` mirrors `params` down to each module (a node holding a
-    `query` and a `key`), holding its logits, heads last (docs/qk-clip.md).
+    key weights by `eta**(1 - alpha)`, `eta = threshold / S` (in GQA a group's
+    hottest head; no weight grows). `max_logits=` mirrors `params` down to each
+    module (a node holding a `query` and a `key`), heads last (docs/qk-clip.md).
 
     Args:
       threshold: the largest logit allowed (tau), a finite real > 0 or an array.
@@ -68,14 +71,14 @@ def qk_clip(
       head_axis: the heads' axis of each projection leaf, within one layer.
       rope_dim: MLA: a query head's trailing entries, scaled by `eta` whole.
       key_dim: MLA: None, or a key head's leading entries, scaled (fused k/v).
+      gqa: `"head"`, or `"group"`: each group by its hottest head (Megatron-LM).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
-      axis_name: FSDP: the mesh axes splitting every leaf (not along its heads)
-        and the logits' batch (docs/scaling-out.md).
+      axis_name: FSDP: the mesh axes splitting every leaf and the batch.
       specs: inside `shard_map`, the `in_specs` of the updates.
       logit_specs: inside `shard_map`, the `in_specs` of `max_logits`.
 
     Returns:
-      A `GradientTransformationExtraArgs`; its state is a `QKClipState`.
+      A `GradientTransformationExtraArgs` whose state is a `QKClipState`.
 
     Raises:
       ValueError: if an argument, `params` or `max_logits` is missing or not
@@ -92,7 +95,7 @@ def qk_clip(
       >>> (params["attn"]["query"] + updates["attn"]["query"])[0, :, 0]
       Array([0.5, 1. ], dtype=float32)
       >>> state.max_logit["attn"], state.clipped_heads["attn"]
-      (Array(400., dtype=float32), Array(1, dtype=int32))
+      (Array([400.,  50.], dtype=float32), Array(1, dtype=int32))
 
     References:
       Kimi Team, `Kimi K2 <https://arxiv.org/abs/2507.20534>`_, 2025.
@@ -103,6 +106,7 @@ def qk_clip(
     rope_dim = _checks.integer("rope_dim", rope_dim, minimum=0)
     if key_dim is not None:
         key_dim = _checks.integer("key_dim", key_dim)
+    gqa = _checks.choice("gqa", gqa, ("head", "group"))
     checked = _leaves.reader(
         "qk_clip", stacked=stacked, specs=specs, axis_name=axis_name
     )
@@ -186,6 +190,16 @@ def qk_clip(
             )
         x = jnp.stack([jnp.asarray(r.x, jnp.float32) for r in below]).max(0)
         n, first = len(m.layers), below[0]
+        leads = {leaf.x.shape[0] for part in m.parts for leaf in part if leaf.x.ndim}
+        if not n and x.ndim > 2 and leads == {x.shape[0]}:
+            raise ValueError(
+                f"`qk_clip` reads the attention module at {path_str(m.path)} as one "
+                f"layer, but its projections and `max_logits` (shape {x.shape}) share "
+                f"a leading axis of {x.shape[0]}: a scanned module, whose layers the "
+                "max over the batch would merge. Pass `stacked=` (e.g. "
+                "`clipax.stacked_prefix(params, ...)`); if that axis is no layer "
+                "axis, fold it into the batch axis of `max_logits`."
+            )
         dims = first.dims if logit_specs is not None and first.dims else ()
         s = x
         if x.ndim > n:
@@ -196,10 +210,13 @@ def qk_clip(
             for i, d in enumerate([*range(n), x.ndim - 1] if dims else ()):
                 s = _engine.gathered(s, i, dims[d]) if dims[d] else s
         if s.shape != (*m.layers, m.heads[0]):
+            q = m.parts[0][0]
             raise ValueError(
                 f"`max_logits` for the attention module at {path_str(m.path)} has "
                 f"shape {x.shape}; it needs the module's layers {m.layers} first "
-                f"and its {m.heads[0]} query heads last."
+                f"and its {m.heads[0]} query heads last: the heads read on axis "
+                f"{axes_of(q)[-1]} (`head_axis`={head_axis}) of the query leaf at "
+                f"{path_str(q.path)}, shape {tuple(q.x.shape)}."
             )
         return _leaves.replicated(s)
 
@@ -212,9 +229,8 @@ def qk_clip(
         return whole
 
     def state_of(tree: Any, found: list[_Module], *stats: dict) -> QKClipState:
-        """The state: `stats` (per module path) in `tree`'s containers."""
-        roots = [m.parts[0][0].root for m in found]
-        depths = tuple(None if r is None else len(r) for r in roots)
+        """The state: `stats` (per module path) in `tree`'s containers, each
+        module's stack where its query's starts."""
         peaks, counts = (
             jax.tree_util.tree_map_with_path(
                 lambda p, _, v=v: v.get(p),
@@ -223,17 +239,17 @@ def qk_clip(
             )
             for v in stats
         )
-        stacks = _leaves.Stacks(depths if any(r is not None for r in roots) else ())
+        stacks = _leaves.Leaves([m.parts[0][0] for m in found], None).stacks
         return QKClipState(peaks, counts, stacks)
 
     def init_fn(params: optax.Params) -> QKClipState:
         found = modules(params, checked(params))
-        layers = {m.path: m.parts[0][0].layers for m in found}
+        layers = {m.path: (m.parts[0][0].layers, m.heads[0]) for m in found}
         return state_of(
             params,
             found,
-            {p: jnp.zeros(n, jnp.float32) for p, n in layers.items()},
-            {p: jnp.zeros(n, jnp.int32) for p, n in layers.items()},
+            {p: jnp.zeros((*n, h), jnp.float32) for p, (n, h) in layers.items()},
+            {p: jnp.zeros(n, jnp.int32) for p, (n, _) in layers.items()},
         )
 
     def rescaled(leaf: Leaf, w: Any, base: jax.Array, rest: Any, cut: Any) -> Any:
@@ -286,9 +302,12 @@ def qk_clip(
             (nq, nk), s = m.heads, logits_of(m, records)
             over = jnp.isfinite(s) & (s > tau)
             eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
-            k_scale = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
-            k_scale = k_scale ** (1 - alpha)
-            q_scale = eta / jnp.repeat(k_scale, nq // nk, axis=-1)
+            hottest = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
+            if gqa == "group":  # Megatron-LM: a group's heads all by its hottest
+                eta = jnp.repeat(hottest, nq // nk, axis=-1)
+            k_scale = hottest ** (1 - alpha)
+            # Each query head shrinks as little as it can without growing.
+            q_scale = jnp.minimum(eta / jnp.repeat(k_scale, nq // nk, axis=-1), 1)
             for part, base, rest, cut in (
                 (m.parts[0], q_scale, eta, -rope_dim if rope_dim else None),
                 (m.parts[1], k_scale, jnp.ones_like(k_scale), key_dim),
@@ -298,7 +317,7 @@ def qk_clip(
                     out[i] = rescaled(leaf, weights[i], base, rest, cut)
             first = m.parts[0][0]
             layers = list(first.layer_axes)
-            peaks[m.path] = mine(first, jnp.max(s, axis=-1), layers)
+            peaks[m.path] = mine(first, s, layers)
             counts[m.path] = mine(first, jnp.sum(over, -1, dtype=jnp.int32), layers)
         return leaves.rebuild(out), state_of(params, found, peaks, counts)
 

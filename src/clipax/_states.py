@@ -9,6 +9,8 @@ A state class declares itself where it is defined:
 - `per_tensor`: the fields holding a tree like the updates with one array per
   leaf, shaped as its layers, reported tensor by tensor under the name given
   (`norms` -> `norm`);
+- `per_head`: those per-tensor fields whose arrays hold, after the layers, one
+  entry per attention head, keyed after the tensor's path (`attn/3/max_logit`);
 - `inner`: for a wrapper, the field holding the wrapped state, which `metrics`
   walks and `migrate_state` fills from the old state.
 
@@ -41,6 +43,7 @@ class Declared:
     name: str
     per_tensor: Mapping[str, str]
     inner: str | None
+    per_head: tuple[str, ...] = ()
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -62,7 +65,11 @@ DECLARED: dict[type, Declared] = {}
 
 
 def declare(
-    name: str, *, per_tensor: Mapping[str, str] | None = None, inner: str | None = None
+    name: str,
+    *,
+    per_tensor: Mapping[str, str] | None = None,
+    inner: str | None = None,
+    per_head: tuple[str, ...] = (),
 ) -> Callable[[_Class], _Class]:
     """A class decorator that declares a NamedTuple a clipax state class.
 
@@ -93,7 +100,7 @@ def declare(
                     f"{other.cls.__qualname__}, declared as {other.name!r}, has "
                     f"the same {same}."
                 )
-        DECLARED[cls] = Declared(cls, name, per_tensor, inner)
+        DECLARED[cls] = Declared(cls, name, per_tensor, inner, per_head)
         return cls
 
     return add
