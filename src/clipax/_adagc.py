@@ -169,20 +169,18 @@ def adagc(
             a,
             1 - a,
         )
-        steps = [
-            _tensor_step(*entries, *shared)
-            for entries in zip(emas, thresholds, norms, strict=True)
-        ]
-        clipped = [
-            _engine.scaled(leaf.x, leaf.broadcast(factor))
-            for leaf, (_, _, factor) in zip(leaves, steps, strict=True)
-        ]
+        new_emas, new_thresholds, clipped = [], [], []
+        for leaf, *entries in zip(leaves, emas, thresholds, norms, strict=True):
+            ema, threshold, factor = _tensor_step(*entries, *shared)
+            new_emas.append(ema)
+            new_thresholds.append(threshold)
+            clipped.append(_engine.scaled(leaf.x, leaf.broadcast(factor)))
         return leaves.rebuild(clipped), AdaGCState(
-            ema=leaves.stats([ema for ema, _, _ in steps]),
+            ema=leaves.stats(new_emas),
             count=_engine.count_if(finite, state.count),
             norm=total.astype(dtype),
             norms=leaves.stats(norms),
-            thresholds=leaves.stats([t for _, t, _ in steps]),
+            thresholds=leaves.stats(new_thresholds),
             stacks=state.stacks,
         )
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ from jax.typing import ArrayLike
 
 from clipax import _checks, _engine, _leaves, _states
 
-_R = TypeVar("_R", bound="RuleState")
 EPS = 1e-6  # added to the standard deviation in ZClip's z-score, as its authors do
 # ZClip's modes by clipax's names and by the authors' package's.
 MODES = {
@@ -40,46 +39,27 @@ MODES = {
 }
 
 
-class RuleState(Protocol):
-    """The fields every global rule's state has (a NamedTuple's, read-only)."""
-
-    @property
-    def count(self) -> jax.Array: ...  # int32 scalar: steps whose norm was finite
-
-    @property
-    def norm(self) -> jax.Array: ...  # scalar: the last update's pre-clip norm
-
-    @property
-    def threshold(self) -> jax.Array: ...  # scalar: the last threshold (inf first)
-
-    def _replace(self: _R, *args: Any, **changes: Any) -> _R: ...
-
-    def _asdict(self) -> dict[str, Any]: ...
-
-
-G = TypeVar("G", bound=RuleState)
-
-
 def global_rule(
     fn_name: str,
-    init: Callable[[np.dtype], G],
-    rule: Callable[[G, jax.Array], tuple[jax.Array, G]],
+    init: Callable[[np.dtype], Any],
+    rule: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
     *,
     p: float,
     specs: Any,
-    axis_name: tuple[str, ...],
+    axis_name: str | Sequence[str] | None,
 ) -> optax.GradientTransformation:
     """An Optax transformation that clips all leaves by their global p-norm to
     the threshold `rule` gives; `init(dtype)` is the state before any step."""
+    checked = _leaves.reader(fn_name, specs=specs, axis_name=axis_name)
 
-    def init_fn(params: optax.Params) -> G:
+    def init_fn(params: optax.Params) -> Any:
         return init(_engine.tree_accum_dtype(_leaves.leaves(params, fn_name).arrays))
 
     def update_fn(
-        updates: optax.Updates, state: G, params: optax.Params | None = None
-    ) -> tuple[optax.Updates, G]:
+        updates: optax.Updates, state: Any, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, Any]:
         del params
-        leaves = _leaves.leaves(updates, fn_name, specs=specs, axis_name=axis_name)
+        leaves = checked(updates)
         dtype = state.norm.dtype
         same_shapes(fn_name, state._asdict(), init(dtype)._asdict())
         norm = _engine.global_norm(leaves, p).astype(dtype)
@@ -252,9 +232,7 @@ def autoclip(
         )
 
     rule = functools.partial(autoclip_rule, percentile=percentile)
-    return global_rule(
-        "autoclip", init, rule, p=p, specs=specs, axis_name=_checks.axis_name(axis_name)
-    )
+    return global_rule("autoclip", init, rule, p=p, specs=specs, axis_name=axis_name)
 
 
 @_states.declare("zclip")
@@ -292,7 +270,6 @@ def zclip_rule(
     mean, variance, buffer = state.mean, state.variance, state.buffer
     dtype = mean.dtype
     zt = jnp.asarray(z_threshold, dtype)
-    windowed = warmup is not None
     warming = state.count < (buffer.shape[0] if warmup is None else warmup)
 
     # The z-score test against the statistics so far, and the limit.
@@ -308,7 +285,7 @@ def zclip_rule(
         if _checks.is_data(clip_factor) or clip_factor != 1:
             limit = limit * jnp.asarray(clip_factor, dtype)
     seen = norm if raw else jnp.where(over, limit, norm)
-    if windowed:
+    if warmup is not None:
         buffer = pushed(buffer, state.count, seen, True)
         new_mean, new_var = window_moments(buffer, state.count + 1, 0)
     else:  # the warmup records its norms; its last step starts the EMA
@@ -447,13 +424,11 @@ def zclip(
     )
 
     def init(dtype: np.dtype) -> ZClipState:
-        zeros = [jnp.zeros((), dtype) for _ in range(3)]  # each its own array
-        mean, variance, norm = zeros  # (a state may be donated)
+        # Each its own array: a state may be donated.
+        mean, variance, norm = (jnp.zeros((), dtype) for _ in range(3))
         buffer = jnp.zeros((warmup if size is None else size,), dtype)
         inf = jnp.full((), jnp.inf, dtype)
         count = jnp.zeros((), jnp.int32)
         return ZClipState(mean, variance, count, norm, inf, buffer)
 
-    return global_rule(
-        "zclip", init, rule, p=2.0, specs=specs, axis_name=_checks.axis_name(axis_name)
-    )
+    return global_rule("zclip", init, rule, p=2.0, specs=specs, axis_name=axis_name)

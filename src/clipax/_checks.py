@@ -30,6 +30,14 @@ STATIC_HINT = (
     "`optax.inject_hyperparams`, name it in `static_args`"
 )
 INT32_MAX = 2**31 - 1  # counts meet the states' int32 counters
+NONFINITE_MODES = ("nan", "zero", "error")
+NO_HOST = (
+    "`nonfinite`='error' checks the norm on the host through "
+    "`jax.debug.callback`, which needs a CPU backend, and JAX has none here "
+    "(JAX_PLATFORMS={platforms!r}). Add cpu to the platforms (for example "
+    "JAX_PLATFORMS=cuda,cpu), or use nonfinite='nan' or 'zero' with "
+    "`optax.apply_if_finite` or the state's `nonfinite_count`."
+)
 
 
 def is_traced(value: Any) -> bool:
@@ -42,6 +50,11 @@ def is_data(value: Any) -> TypeGuard[jax.Array]:
     take as it is (docs/semantics.md, "Thresholds"); a Python or NumPy value
     is configuration, checked where it is given."""
     return isinstance(value, jax.Array)
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is a Python or NumPy int, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def short_repr(value: Any) -> str:
@@ -180,8 +193,7 @@ def integer(name: str, value: Any, minimum: int = 1, *, data_ok: bool = False) -
         raise TypeError(f"`{name}` got a traced value; {STATIC_HINT}.")
     if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0:
         value = value.item() if jnp.issubdtype(value.dtype, jnp.integer) else value
-    valid = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not valid or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"`{name}` must be {accepted}; got {short_repr(value)}.")
     if value > INT32_MAX:
         raise ValueError(
@@ -245,9 +257,7 @@ def axes(value: Any, name: str = "axes") -> tuple[int, ...] | None:
     if not (
         isinstance(items, Sequence)
         and not isinstance(items, str)
-        and all(
-            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in items
-        )
+        and all(map(is_int, items))
     ):
         raise ValueError(f"`{name}` must be {accepted}; got {value!r}.")
     if len(set(items)) != len(items):
@@ -290,8 +300,8 @@ def axes_and_axis_name(
     return resolved, names
 
 
-def key_paths(name: str, value: Any, separator: str) -> list[str]:
-    """A sequence of non-empty `separator`-joined key paths."""
+def key_paths(name: str, value: Any, separator: str) -> list[tuple[str, ...]]:
+    """A sequence of non-empty `separator`-joined key paths, as their keys."""
     if (
         isinstance(value, str)
         or not isinstance(value, Sequence)
@@ -301,7 +311,7 @@ def key_paths(name: str, value: Any, separator: str) -> list[str]:
             f"`{name}` must be a sequence of non-empty {separator!r}-separated key "
             f"paths; got {value!r}."
         )
-    return list(value)
+    return [tuple(p.strip(separator).split(separator)) for p in value]
 
 
 def choice(name: str, value: Any, options: Sequence[Any]) -> Any:
@@ -320,9 +330,10 @@ def unused(value: Any, default: Any, message: str) -> None:
         raise ValueError(message.format(value=short_repr(value)))
 
 
-def nonfinite(value: Any, modes: tuple[Any, ...]) -> Any:
+def nonfinite(value: Any, modes: tuple[Any, ...] = NONFINITE_MODES) -> Any:
     """The mode `value` names, one of `modes`; True and False (PyTorch's
-    `error_if_nonfinite`) are `"error"` and `modes[0]`."""
+    `error_if_nonfinite`) are `"error"` and `modes[0]`. `"error"` checks the
+    norm on the host, which needs JAX's CPU backend."""
     if value is True or value is False:
         value = "error" if value else modes[0]
     if not (value is None or isinstance(value, str)) or value not in modes:
@@ -331,6 +342,12 @@ def nonfinite(value: Any, modes: tuple[Any, ...]) -> Any:
             f"`error_if_nonfinite` (True is 'error', False {modes[0]!r}); got "
             f"{short_repr(value)}."
         )
+    if value == "error":
+        try:
+            jax.local_devices(backend="cpu")
+        except RuntimeError as error:
+            platforms = getattr(jax.config, "jax_platforms", None)
+            raise ValueError(NO_HOST.format(platforms=platforms)) from error
     return value
 
 
@@ -361,12 +378,16 @@ def bounds(min_value: Any, max_value: Any) -> None:
             )
 
 
+def is_transformation(value: Any) -> bool:
+    """Whether `value` has an `init` and an `update` to call, as a transformation."""
+    return callable(getattr(value, "init", None)) and callable(
+        getattr(value, "update", None)
+    )
+
+
 def transformation(name: str, value: Any) -> None:
     """An `optax.GradientTransformation` (anything with `init` and `update`)."""
-    if not (
-        callable(getattr(value, "init", None))
-        and callable(getattr(value, "update", None))
-    ):
+    if not is_transformation(value):
         raise TypeError(
             f"`{name}` must be an optax.GradientTransformation; got "
             f"{type(value).__name__}."
@@ -402,9 +423,7 @@ def peer_names(
 
     def decorate(fn: F) -> F:
         names = list(inspect.signature(fn).parameters)
-        fn_name = ("clipax.tree." if ".tree." in fn.__module__ else "clipax.") + (
-            fn.__name__
-        )
+        fn_name = f"clipax.{'tree.' if '.tree.' in fn.__module__ else ''}{fn.__name__}"
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

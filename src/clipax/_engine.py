@@ -53,20 +53,21 @@ def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(big), big * jnp.sqrt(1 + jnp.square(ratio)))
 
 
+def _upcast(x: jax.Array) -> jax.Array:
+    """`x` in its `accum_dtype` (complex where `x` is)."""
+    acc = accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        return x.astype(jnp.result_type(acc, jnp.complex64))
+    return x.astype(acc)
+
+
 def powers(x: jax.Array, p: float) -> jax.Array:
     """|x|**p element by element (|x| for p = inf), in float32 or wider; a
     complex leaf counts its modulus, taken without overflow."""
-    acc = accum_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        re, im = x.real.astype(acc), x.imag.astype(acc)
-        if p == 2:
-            return jnp.square(re) + jnp.square(im)
-        magnitude = _hypot(re, im)
-    else:
-        real = x.astype(acc)
-        if p == 2:
-            return jnp.square(real)
-        magnitude = jnp.abs(real)
+    x, is_complex = _upcast(x), jnp.iscomplexobj(x)
+    if p == 2:
+        return jnp.square(x.real) + jnp.square(x.imag) if is_complex else jnp.square(x)
+    magnitude = _hypot(x.real, x.imag) if is_complex else jnp.abs(x)
     return magnitude if p in (1.0, math.inf) else magnitude**p
 
 
@@ -188,16 +189,10 @@ def complete(
             key = (names, varies_over[i] if varies_over is not None else None)
             sets.setdefault(key, []).append(i)
     for (names, _), index in sets.items():
-        if len(index) == 1:
-            out[index[0]] = op(values[index[0]], names)
-            continue
         reduced = op(jnp.concatenate([jnp.ravel(values[i]) for i in index]), names)
-        offset = 0
-        for i in index:
-            size = values[i].size
-            piece = reduced[offset : offset + size].reshape(values[i].shape)
-            out[i] = piece.astype(values[i].dtype)
-            offset += size
+        sizes = np.cumsum([values[i].size for i in index])[:-1]
+        for i, piece in zip(index, jnp.split(reduced, sizes), strict=True):
+            out[i] = piece.reshape(values[i].shape).astype(values[i].dtype)
     return out
 
 
@@ -231,8 +226,7 @@ def is_whole(x: Any) -> bool:
             return False  # some dimension is split over a mesh axis
         mesh = aval_sharding.mesh
         if not mesh.empty:
-            auto = jax.sharding.AxisType.Auto
-            return all(kind != auto for kind in mesh.axis_types)
+            return jax.sharding.AxisType.Auto not in mesh.axis_types
     return jax.device_count() == 1
 
 
@@ -279,10 +273,7 @@ def _scale_barrier(x: jax.Array, scale: Any) -> tuple[jax.Array, jax.Array]:
     multiplies `x` by `scale`: where XLA sees `x` as a constant it rewrote
     (x s)**2 as x**2 s**2, and s**2 overflows for the largest scales. It also
     keeps this pass's upcast of a narrow `x` apart (`_upcast_barrier`)."""
-    pair: tuple[jax.Array, jax.Array] = jax.lax.optimization_barrier(
-        (x, jnp.asarray(scale))
-    )
-    return pair
+    return jax.lax.optimization_barrier((x, jnp.asarray(scale)))
 
 
 def partial_sums(
@@ -303,8 +294,7 @@ def partial_sums(
 
     parts = [power_sum(prepared(arrays[i]), p) for i in alone]
     for bucket in buckets:
-        pieces = [jnp.ravel(arrays[i]) for i in bucket]
-        whole = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+        whole = jnp.concatenate([jnp.ravel(arrays[i]) for i in bucket])
         parts.append(power_sum(prepared(whole), p))
     if not parts:
         return jnp.zeros((1,), dtype)
@@ -430,10 +420,7 @@ def _two_pass_norm(
             scale = _second_scale(total, p)
             return summed(arrays, scale), scale
 
-        pair: tuple[jax.Array, jax.Array] = _cond(
-            _needs_rescale(total), rescaled, lambda: (total, one)
-        )
-        return pair
+        return _cond(_needs_rescale(total), rescaled, lambda: (total, one))
 
     @jax.custom_jvp
     def norm(arrays: list[jax.Array]) -> jax.Array:
@@ -451,13 +438,6 @@ def _two_pass_norm(
         return value / scale, slope
 
     return norm(list(arrays))
-
-
-def _upcast(x: jax.Array) -> jax.Array:
-    acc = accum_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        return x.astype(jnp.result_type(acc, jnp.complex64))
-    return x.astype(acc)
 
 
 def _looped_passes(
@@ -581,9 +561,7 @@ def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
     """The p-norm of `values` (>= 0) along axis 0, scaled by `pow2_scale` of
     the largest entry so that it neither overflows nor underflows where the
     entries do not; NaN if an entry is NaN, else inf if one is inf."""
-    if values.shape[0] == 0:
-        return jnp.zeros(values.shape[1:], values.dtype)
-    peak = jnp.max(values, axis=0)
+    peak = jnp.max(values, axis=0, initial=0.0)  # 0 for no entries
     if p == math.inf:
         return peak
     scale = peak_scale(peak)

@@ -89,8 +89,8 @@ def clip_by_global_norm(
     del foreach  # means nothing in JAX
     max_norm = _checks.threshold("max_norm", max_norm)
     p = _checks.order(ord)
-    names = _checks.axis_name(axis_name)
-    mode = tree_global_norm.nonfinite_mode(nonfinite)
+    checked = _leaves.reader("clip_by_global_norm", specs=specs, axis_name=axis_name)
+    mode = _checks.nonfinite(nonfinite)
 
     def init_fn(params: optax.Params) -> ClipByGlobalNormState:
         leaves = _leaves.leaves(params, "clip_by_global_norm")
@@ -107,9 +107,7 @@ def clip_by_global_norm(
         params: optax.Params | None = None,
     ) -> tuple[optax.Updates, ClipByGlobalNormState]:
         del params
-        leaves = _leaves.leaves(
-            updates, "clip_by_global_norm", specs=specs, axis_name=names
-        )
+        leaves = checked(updates)
         clipped, norm, finite = tree_global_norm.clip_leaves(leaves, max_norm, p, mode)
         dtype = state.norm.dtype
         return clipped, ClipByGlobalNormState(

@@ -16,7 +16,7 @@ import functools
 import math
 import numbers
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -131,9 +131,7 @@ class LayerAxes:
     axes: tuple[int, ...]
 
     def __init__(self, *axes: int) -> None:
-        if not axes or not all(
-            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in axes
-        ):
+        if not axes or not all(map(_checks.is_int, axes)):
             raise TypeError(f"`LayerAxes` takes one or more ints; got {axes!r}.")
         object.__setattr__(self, "axes", tuple(int(a) for a in axes))
 
@@ -258,11 +256,6 @@ class Leaves(list[Leaf]):
         return [leaf.x for leaf in self]
 
     @property
-    def placed(self) -> bool:
-        """Whether the leaves are inside `shard_map`/`pmap`, their layout known."""
-        return any(leaf.dims is not None or leaf.anywhere for leaf in self)
-
-    @property
     def stacks(self) -> Stacks:
         depths = [len(leaf.root) if leaf.root is not None else None for leaf in self]
         return Stacks(tuple(depths) if any(d is not None for d in depths) else ())
@@ -284,7 +277,7 @@ class Leaves(list[Leaf]):
             self.treedef, [wrap(leaf, v) for leaf, v in zip(self, values, strict=True)]
         )
 
-    def stats(self, values: Sequence[Any]) -> Any:
+    def stats(self, values: Iterable[Any]) -> Any:
         """A per-tensor statistic: the tree with `values` (one per leaf, shaped
         as its layers) for its leaves, a wrapper's place included, each whole
         on every device under `jax.jit` (as `init` made it)."""
@@ -294,10 +287,8 @@ class Leaves(list[Leaf]):
         """A per-tensor statistic holding `value` in `dtype` (each leaf's
         `accum_dtype` for None), each its own array: a state may be donated."""
         return self.stats(
-            [
-                jnp.full(leaf.layers, value, dtype or accum_dtype(leaf.x.dtype))
-                for leaf in self
-            ]
+            jnp.full(leaf.layers, value, dtype or accum_dtype(leaf.x.dtype))
+            for leaf in self
         )
 
 
@@ -384,7 +375,6 @@ def leaves(
         ):
             stacked = stacked(tree)
         items = _stack(stacked, tree, items, int(batched))
-    manual = manual_axes()
     if specs is not None or axis_name:
         items = _place(specs, axis_name, tree, items)
         split = {leaf.dims[0] for leaf in items if batched and leaf.dims}
@@ -393,7 +383,7 @@ def leaves(
                 f"`{fn_name}` pairs the examples of every leaf: `specs` must split "
                 f"their batch axes alike; it splits them over {sorted(split)}."
             )
-    elif manual:  # JAX's types may prove a leaf whole; nothing else is known
+    elif manual := manual_axes():  # JAX's types may prove a leaf whole, no more
         known = types_checked(manual)
         items = [
             dataclasses.replace(leaf, dims=((),) * leaf.x.ndim)
@@ -555,9 +545,7 @@ def _stack(prefix: Any, tree: Any, items: list[Leaf], skip: int) -> list[Leaf]:
 
 
 def _is_layer_entry(node: Any) -> bool:
-    return isinstance(node, LayerAxes) or (
-        isinstance(node, numbers.Integral) and not isinstance(node, bool)
-    )
+    return isinstance(node, LayerAxes) or _checks.is_int(node)
 
 
 def _is_spec(node: Any) -> bool:
@@ -568,15 +556,14 @@ def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> lis
     """`items` with the mesh axes that split each dimension, from `specs` (a
     prefix of PartitionSpecs), and `axis_name`'s, which split some dimension
     (only a whole-leaf reduction can use them)."""
-    spec_of: list[Any] = [None] * len(items)
+    found: list[tuple[Any, KeyPath]] = [(None, ())] * len(items)
     if specs is not None:
         accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the updates)"
         found = entries(
             "specs", specs, tree, items, _is_spec, "PartitionSpec", accepted
         )
-        spec_of = [spec for spec, _ in found]
     out = []
-    for leaf, spec in zip(items, spec_of, strict=True):
+    for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
         if len(spec) > leaf.x.ndim:
             raise ValueError(
@@ -662,11 +649,10 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
     treedef = jax.tree.structure(updates, is_leaf=is_empty)
     beside = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
     kept = [
-        w
+        _array(w)
         for g, w in zip(jax.tree.leaves(updates, is_leaf=is_empty), beside, strict=True)
         if not is_empty(g)
     ]
-    kept = [_array(w) for w in kept]
     for leaf, w in zip(items, kept, strict=True):
         if np.shape(w) != np.shape(leaf.x) or not hasattr(w, "dtype"):
             raise ValueError(

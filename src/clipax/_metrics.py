@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 from clipax import _engine, _states
-from clipax._checks import is_traced, short_repr
+from clipax._checks import is_traced, is_transformation, short_repr
 from clipax._leaves import (
     Stacks,
     flat_keys,
@@ -149,10 +149,8 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     }
     if "norm" in scalars and "threshold" in scalars:
         scalars |= _clip_facts(scalars["norm"], scalars["threshold"])
-    arrays, where = (
-        list(scalars.values()),
-        {k: (j, None) for j, k in enumerate(scalars)},
-    )
+    arrays = list(scalars.values())
+    where = {k: (j, None) for j, k in enumerate(scalars)}
     tensors: dict[str, tuple[Any, list[tuple[str, int]]]] = {}
     depths = getattr(state, "stacks", Stacks()).depths
     manual = manual_axes()
@@ -239,9 +237,7 @@ def _check_state(opt_state: Any) -> None:
         "`clipax.metrics` takes an optimizer state (what `tx.init` and "
         "`tx.update` return, or an `nnx.Optimizer`)"
     )
-    if callable(getattr(opt_state, "init", None)) and callable(
-        getattr(opt_state, "update", None)
-    ):
+    if is_transformation(opt_state):
         raise TypeError(
             f"{what}; got a {type(opt_state).__name__}, a transformation: pass "
             "its state, `tx.init(params)`."

@@ -29,8 +29,7 @@ def _inner(node: Any) -> str | None:
 
 
 def _is_statistics(node: Any) -> bool:
-    declared = _states.declared(node)
-    return declared is not None and declared.inner is None
+    return _states.declared(node) is not None and _inner(node) is None
 
 
 def _is_empty(node: Any) -> bool:
@@ -50,15 +49,11 @@ def _old_children(old: Any, new: Any) -> dict[str, Any] | None:
     Plain dicts and lists (orbax's untargeted restore) match by keys; objects
     must be of `new`'s own type.
     """
-    if type(old) in (dict, list) or isinstance(old, Mapping):
-        if isinstance(old, Mapping):
-            return {str(k): v for k, v in old.items()}
+    if isinstance(old, Mapping):
+        return {str(k): v for k, v in old.items()}
+    if type(old) is list:
         return {str(i): v for i, v in enumerate(old)}
-    if type(old) is tuple and type(new) is not tuple:
-        return None
-    if type(old) is not type(new) and not (
-        type(old) in (tuple, list) and type(new) in (tuple, list)
-    ):
+    if type(old) is not type(new):
         return None
     return {_states.key_name(key): child for key, child in _states.children(old)[0]}
 

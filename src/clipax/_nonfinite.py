@@ -28,13 +28,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 MARKER = "(nonfinite='error')"
 _MESSAGE = re.compile(r"NonFiniteError: ([^\n]*" + re.escape(MARKER) + r"\.?)")
-NO_HOST = (
-    "`nonfinite`='error' checks the norm on the host through "
-    "`jax.debug.callback`, which needs a CPU backend, and JAX has none here "
-    "(JAX_PLATFORMS={platforms!r}). Add cpu to the platforms (for example "
-    "JAX_PLATFORMS=cuda,cpu), or use nonfinite='nan' or 'zero' with "
-    "`optax.apply_if_finite` or the state's `nonfinite_count`."
-)
 
 
 class NonFiniteError(FloatingPointError):
@@ -73,15 +66,6 @@ class _Waiting:
 
 
 _WAITING = _Waiting()
-
-
-def check_host_callback() -> None:
-    """Raises ValueError when JAX has no CPU backend for the host check."""
-    try:
-        jax.local_devices(backend="cpu")
-    except RuntimeError as error:
-        platforms = getattr(jax.config, "jax_platforms", None)
-        raise ValueError(NO_HOST.format(platforms=platforms)) from error
 
 
 def _error(fn_name: str, paths: list[str], finite: Any) -> NonFiniteError:
@@ -130,12 +114,6 @@ def raise_or_record(error: NonFiniteError) -> None:
             _WAITING.errors.append(error)
             return
     raise error
-
-
-def from_runtime_error(error: BaseException) -> NonFiniteError | None:
-    """The `NonFiniteError` that a `JaxRuntimeError` carries, if it carries one."""
-    found = _MESSAGE.search(str(error))
-    return NonFiniteError(found.group(1)) if found else None
 
 
 def nonfinite_errors(fn: F) -> F:
@@ -188,10 +166,10 @@ def nonfinite_errors(fn: F) -> F:
         try:
             out = jax.block_until_ready(fn(*args, **kwargs))
         except jax.errors.JaxRuntimeError as error:
-            converted = from_runtime_error(error)
-            if converted is None:
+            found = _MESSAGE.search(str(error))  # a clipax error that JAX carries
+            if found is None:
                 raise
-            raise converted from None
+            raise NonFiniteError(found.group(1)) from None
         finally:
             with _WAITING.lock:
                 _WAITING.count -= 1

@@ -140,11 +140,9 @@ def skip_spikes(
             return new_count, mean, variance, buffer
         w = jnp.maximum(1 - jnp.asarray(alpha, mean.dtype), 1 / (count + 1))
         delta = x - mean
-        moved = mean + w * delta, (1 - w) * (variance + w * jnp.square(delta))
-        kept = (
-            jnp.where(take, m, o) for m, o in zip(moved, (mean, variance), strict=True)
-        )
-        return new_count, *kept, buffer
+        moved = (1 - w) * (variance + w * jnp.square(delta))
+        variance = jnp.where(take, moved, variance)
+        return new_count, jnp.where(take, mean + w * delta, mean), variance, buffer
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
         dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)

@@ -136,38 +136,31 @@ def stable_spam(
             return jnp.where(where, old + (1 - gamma) * (new - old), old)
 
         # AdaClip: entries above the EMA of the largest |g| scaled down to it.
+        new_max, clipped = [], []
         peaks = _engine.layer_norms(leaves, math.inf)
-        new_max = [
-            lerp(o, m, theta, jnp.isfinite(m))
-            for o, m in zip(m_max, peaks, strict=True)
-        ]
-        clipped = []
-        for leaf, peak, top in zip(leaves, peaks, new_max, strict=True):
-            top = leaf.broadcast(top / (1 - theta**steps))
+        for leaf, peak, old in zip(leaves, peaks, m_max, strict=True):
+            new_max.append(lerp(old, peak, theta, jnp.isfinite(peak)))
+            top = leaf.broadcast(new_max[-1] / (1 - theta**steps))
             g = jnp.asarray(leaf.x).astype(jnp.result_type(leaf.x.dtype, dtype))
             scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
             g = jnp.where(jnp.abs(g) > top, g * scale, g)
             clipped.append(dataclasses.replace(leaf, x=g))
         # AdaGN: each tensor rescaled to its EMA-normalised norm.
+        out, new_m, new_v = [], [], []
         norms = _engine.layer_norms(clipped)
-        active = [jnp.isfinite(n) & (n > 0) for n in norms]
-        new_m = [
-            lerp(m, n, gamma1, a) for m, n, a in zip(m_norm, norms, active, strict=True)
-        ]
-        new_v = [
-            lerp(v, n**2, gamma2, a)
-            for v, n, a in zip(v_norm, norms, active, strict=True)
-        ]
-        out = []
-        for leaf, g, n, a, m, v in zip(
-            leaves, clipped, norms, active, new_m, new_v, strict=True
+        for leaf, c, n, m, v in zip(
+            leaves, clipped, norms, m_norm, v_norm, strict=True
         ):
+            a = jnp.isfinite(n) & (n > 0)
+            m, v = lerp(m, n, gamma1, a), lerp(v, n**2, gamma2, a)
+            new_m.append(m)
+            new_v.append(v)
             target = (m / (1 - gamma1**steps)) / (
                 jnp.sqrt(v / (1 - gamma2**steps)) + eps
             )
             factor = jnp.where(a, target / jnp.where(a, n, 1), 1)
             factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
-            out.append((g.x * leaf.broadcast(factor)).astype(leaf.x.dtype))
+            out.append((c.x * leaf.broadcast(factor)).astype(leaf.x.dtype))
         inner_state = state.inner_state
         if reset_every is not None:  # Stable-SPAM's momentum reset, only then
             inner_state = jax.lax.cond(

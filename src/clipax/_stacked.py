@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from clipax import _checks
+from clipax import _checks, _states
 from clipax._leaves import (
     LayerAxes,
     is_named,
@@ -36,15 +36,11 @@ def _names(node: Any) -> tuple[Any, ...] | None:
     return tuple(names) if isinstance(names, (tuple, list)) else None
 
 
-def _entry(positions: list[int]) -> Entry:
+def _entry(positions: tuple[int, ...]) -> Entry:
     """Leading axes as their count, others as `LayerAxes`."""
-    if positions == list(range(len(positions))):
+    if positions == tuple(range(len(positions))):
         return len(positions)
     return LayerAxes(*positions)
-
-
-def _axes(entry: Entry) -> tuple[int, ...]:
-    return entry.axes if isinstance(entry, LayerAxes) else tuple(range(entry))
 
 
 def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> Any:
@@ -59,17 +55,8 @@ def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> 
         ((entry, root),) = found
         if root == depth or (root is None and depth):
             return entry
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: x is not node
-    )
-    folded = [_fold(child, leaves, depth + 1) for _, child in flat]
-    return treedef.unflatten(folded)  # type: ignore[attr-defined]
-
-
-def _layout(positions: list[int], shape: tuple[int, ...]) -> tuple[Entry, tuple]:
-    """The entry for layer axes at `positions`, and the layers they hold."""
-    entry = _entry(positions)
-    return entry, tuple(shape[a] for a in positions)
+    children, treedef = _states.children(node)
+    return treedef.unflatten([_fold(c, leaves, depth + 1) for _, c in children])
 
 
 def _from_names(
@@ -98,12 +85,11 @@ def _from_names(
     shapes = [
         np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)) for _, x in flat
     ]
-    sigs = [
-        None
-        if n is None
-        else _layout([i for i, a in enumerate(n) if a == axis_name], s)
-        for n, s in zip(names, shapes, strict=True)
-    ]
+    # Per leaf with names, the positions of its layer axes and the layers there.
+    sigs: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
+    for n, s in zip(names, shapes, strict=True):
+        at = tuple(i for i, a in enumerate(n or ()) if a == axis_name)
+        sigs.append(None if n is None else (at, tuple(s[a] for a in at)))
     hnn = sys.modules.get("haliax.nn")
     scan = lambda x: hnn is not None and isinstance(x, hnn.Stacked)  # noqa: E731
     flat_scans = jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]
@@ -114,31 +100,31 @@ def _from_names(
             members.setdefault(k[:end], []).append(i)
 
     @functools.cache
-    def holds(node: tuple[str, ...], sig: tuple[Entry, tuple]) -> bool:
+    def holds(node: tuple[str, ...], sig: tuple[tuple[int, ...], tuple]) -> bool:
         if any(len(b) > len(node) and b[: len(node)] == node for b in scans):
             return False
-        entry, layers = sig
+        at, layers = sig
         return all(
             sigs[j] == sig
             if sigs[j]
-            else all(a < len(shapes[j]) for a in _axes(entry))
-            and tuple(shapes[j][a] for a in _axes(entry)) == layers
+            else all(a < len(shapes[j]) for a in at)
+            and tuple(shapes[j][a] for a in at) == layers
             for j in members[node]
         )
 
     out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
     roots: dict[tuple[str, ...], Any] = {}
     for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
-        if sig is not None and sig[0] != 0:
+        if sig is not None and sig[0]:
             ends = range(min(1, len(k)), len(k) + 1)
             root = next(k[:end] for end in ends if holds(k[:end], sig))
-            roots[root], out[i] = sig, (sig[0], len(root))
+            roots[root], out[i] = sig, (_entry(sig[0]), len(root))
     unproven = []
     for i, k in enumerate(keys):
         root = next((r for r in roots if k[: len(r)] == r), ())
         if sigs[i] is None and root in roots:
             if roots[root] in (sigs[j] for j in members[k[:-1]]):
-                out[i] = (roots[root][0], len(root))
+                out[i] = (_entry(roots[root][0]), len(root))
             else:
                 unproven.append("/".join(k))
     if unproven:

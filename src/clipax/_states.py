@@ -43,11 +43,8 @@ class Declared:
     name: str
     per_tensor: Mapping[str, str]
     inner: str | None
+    fields: tuple[str, ...]  # the class's `_fields`
     per_head: tuple[str, ...] = ()
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return tuple(self.cls._fields)  # type: ignore[attr-defined]
 
     def is_restored(self, node: Mapping[Any, Any]) -> bool:
         """Whether `node` is this class's state with its class gone (a static
@@ -100,7 +97,7 @@ def declare(
                     f"{other.cls.__qualname__}, declared as {other.name!r}, has "
                     f"the same {same}."
                 )
-        DECLARED[cls] = Declared(cls, name, per_tensor, inner, per_head)
+        DECLARED[cls] = Declared(cls, name, per_tensor, inner, fields, per_head)
         return cls
 
     return add

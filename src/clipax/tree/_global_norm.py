@@ -13,16 +13,6 @@ from jax.typing import ArrayLike
 from clipax import _checks, _engine, _leaves, _nonfinite
 from clipax._leaves import Leaves
 
-NONFINITE_MODES = ("nan", "zero", "error")
-
-
-def nonfinite_mode(value: Any, modes: tuple[Any, ...] = NONFINITE_MODES) -> Any:
-    """`_checks.nonfinite`, and for `"error"` the host callback it needs."""
-    mode = _checks.nonfinite(value, modes)
-    if mode == "error":
-        _nonfinite.check_host_callback()
-    return mode
-
 
 @_checks.peer_names(
     {"t_list": "tree", "tensors": "tree", "norm_type": "ord"}
@@ -78,9 +68,8 @@ def global_norm(
     """
     p = _checks.order(ord)
     squared = _checks.flag("squared", squared)
-    mode = nonfinite_mode(nonfinite, (None, "error"))
-    names = _checks.axis_name(axis_name)
-    leaves = _leaves.leaves(tree, "global_norm", specs=specs, axis_name=names)
+    mode = _checks.nonfinite(nonfinite, (None, "error"))
+    leaves = _leaves.reader("global_norm", specs=specs, axis_name=axis_name)(tree)
     norm = _engine.global_norm(leaves, p)
     if mode == "error":
         _nonfinite.raise_if_nonfinite(leaves, jnp.isfinite(norm), "global_norm")
@@ -152,12 +141,11 @@ def clip_by_global_norm(
         use_norm = _checks.nonnegative(
             "use_norm", use_norm, "None or a scalar norm >= 0"
         )
-    mode = nonfinite_mode(nonfinite)
+    mode = _checks.nonfinite(nonfinite)
     p = _checks.order(ord)
     names = _checks.axis_name(axis_name)
     leaves = _leaves.leaves(tree, "clip_by_global_norm", specs=specs, axis_name=names)
-    clipped, norm, _ = clip_leaves(leaves, max_norm, p, mode, use_norm)
-    return clipped, norm
+    return clip_leaves(leaves, max_norm, p, mode, use_norm)[:2]
 
 
 def clip_leaves(

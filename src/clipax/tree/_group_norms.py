@@ -77,12 +77,7 @@ def group_norms(
     wanted = []
     if prefixes is not None:
         wanted = sorted(
-            (
-                tuple(q.strip(SEPARATOR).split(SEPARATOR))
-                for q in _checks.key_paths("prefixes", prefixes, SEPARATOR)
-            ),
-            key=len,
-            reverse=True,
+            _checks.key_paths("prefixes", prefixes, SEPARATOR), key=len, reverse=True
         )
     p = _checks.order(ord)
     leaves = _leaves.reader(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,16 +89,14 @@ def clip_leaves(
     layer, also returning each leaf's largest norm per layer (a whole
     tensor's norm is its own), the same on every device that holds it."""
     norms = _engine.norms(leaves, [leaf.within(axes) for leaf in leaves])
-    limits: dict[Any, _engine.Limit] = {}  # once per accumulation dtype
+    limit = functools.cache(lambda dtype: _engine.limit(max_norm, dtype))  # per dtype
     clipped, peaks = [], []
     for leaf, n in zip(leaves, norms, strict=True):
-        if n.dtype not in limits:
-            limits[n.dtype] = _engine.limit(max_norm, n.dtype)
-        clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limits[n.dtype])))
+        clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limit(n.dtype))))
         slices = tuple(d for d in range(n.ndim) if d not in leaf.layer_axes)
         peak = jnp.max(n, axis=slices, initial=0.0) if axes is not None else n
         peaks.append(peak.reshape(leaf.layers))
-    if axes is not None and leaves.placed:
+    if axes is not None:
         # Slices of one layer may sit on other devices: a pmax over the axes
         # that split the slices, apart from those that split the layers.
         # One collective per set of layer axes (pmax is idempotent).

@@ -95,10 +95,8 @@ def per_example_global_norm_clip(
     summed = [_weighted_sum(scales, jnp.asarray(x)) for x in leaves.arrays]
     # Each device summed its examples: the sums completed over the batch's axes.
     batch = [leaf.split([0]) for leaf in leaves]
-    summed, (num_clipped,) = (
-        _engine.complete(summed, batch),
-        _engine.complete([num_clipped], batch[:1]),
-    )
+    summed = _engine.complete(summed, batch)
+    (num_clipped,) = _engine.complete([num_clipped], batch[:1])
     return leaves.rebuild(summed, batched=True), num_clipped
 
 
