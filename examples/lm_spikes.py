@@ -93,6 +93,16 @@ writes `lm_qk_clip.png`: per optimizer the largest logit over the steps with
 and without QK-Clip at the rate where it grew most, and the held-out loss and
 the largest logit against the rate.
 
+With `--qk-clip --gqa` the same study runs on GQA attention (4 query heads
+over 2 key and value heads) at the high rates (AdamW at 0.03 and 0.1, Muon at
+0.1 and 0.3), each optimizer alone and followed by `clipax.qk_clip` with its
+default rule for a group (`gqa="head"`: the group's hottest head at tau, the
+others never grown) and with Megatron-LM's (`gqa="group"`: every head of the
+group by its hottest, "+qk_clip[group]"). Beside the study's measures, the
+norm of the query kernels over that of the key kernels after the last step
+(`wq/wk`, logged every step). It writes `lm_qk_gqa.png` and
+`lm_qk_gqa_metrics.jsonl`.
+
 Run from the repository root:
 
     python examples/lm_spikes.py             # 3 rates x 1 seed x 150 steps: minutes
@@ -101,6 +111,7 @@ Run from the repository root:
     python examples/lm_spikes.py --steps 8 --lrs 0.01        # smoke run
     python examples/lm_spikes.py --qk-clip   # 36 runs x 400 steps: ~25 min
     python examples/lm_spikes.py --qk-clip --steps 6 --lrs 0.1 --tau 1   # smoke run
+    python examples/lm_spikes.py --qk-clip --gqa   # 36 runs x 400 steps: ~25 min
 """
 
 from __future__ import annotations
@@ -169,19 +180,35 @@ COLORS = {
 }
 QK_OUTPUT = "lm_qk_clip.png"
 QK_LOG = "lm_qk_clip_metrics.jsonl"  # one line per QK run and step
+GQA_OUTPUT = "lm_qk_gqa.png"
+GQA_LOG = "lm_qk_gqa_metrics.jsonl"
 QK_TAU = 100.0  # QK-Clip's threshold in the --qk-clip study (Kimi K2's)
 QK_RUNS = ("adamw", "adamw+qk_clip", "muon", "muon+qk_clip")
 QK_COLORS = {
     "adamw": "tab:blue",
     "adamw+qk_clip": "tab:cyan",
+    "adamw+qk_clip[group]": "tab:green",
     "muon": "tab:red",
     "muon+qk_clip": "tab:orange",
+    "muon+qk_clip[group]": "tab:purple",
 }
 QK = {  # AdamW: where its logits pass 100, up; Muon: its best rate, up
     "steps": 400,
     "seeds": 3,
     "lrs": {"adamw": [0.01, 0.03, 0.1], "muon": [0.03, 0.1, 0.3]},
 }
+# The GQA study (--gqa): 4 query heads over 2 key heads, the high rates, and
+# QK-Clip's two rules for a group (`gqa="head"`, `gqa="group"`: "[group]").
+GQA_KV_HEADS = 2
+GQA_RUNS = (
+    "adamw",
+    "adamw+qk_clip",
+    "adamw+qk_clip[group]",
+    "muon",
+    "muon+qk_clip",
+    "muon+qk_clip[group]",
+)
+GQA = {"steps": 400, "seeds": 3, "lrs": {"adamw": [0.03, 0.1], "muon": [0.1, 0.3]}}
 # The large trainers' skip rule (OLMo-core, MaxText; Levanter's has ddof=0 and
 # warmup_steps=64): every step's values in a window of 128, 6 sigma.
 TRAINERS_SKIP = {
@@ -317,22 +344,28 @@ class Attention(nn.Module):
 
     heads: int
     dtype: Any
+    kv_heads: int = 0  # GQA: fewer key and value heads (0: as many as `heads`)
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
         b, t, d = h.shape
         head = d // self.heads
 
-        def project(name: str) -> jax.Array:
+        def project(name: str, heads: int) -> jax.Array:
             return nn.DenseGeneral(
-                (self.heads, head),
+                (heads, head),
                 dtype=self.dtype,
                 kernel_init=logical(normal, ("embed", "heads", "head")),
                 bias_init=logical(zeros, ("heads", "head")),
                 name=name,
             )(h)
 
-        q, k, v = project("query"), project("key"), project("value")
+        group = self.heads // (self.kv_heads or self.heads)
+        q = project("query", self.heads)
+        k, v = (
+            jnp.repeat(project(name, self.kv_heads or self.heads), group, axis=2)
+            for name in ("key", "value")
+        )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
         causal = jnp.tril(jnp.ones((t, t), bool))
         scores = jnp.where(causal, scores / math.sqrt(head), -1e9)
@@ -345,11 +378,13 @@ class QKBlock(Block):
     """`Block` with its attention an `Attention` module named `attn` (a node
     holding `query` and `key`: `qk_clip`'s attention module)."""
 
+    kv_heads: int = 0
+
     @nn.compact
     def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
         d = x.shape[-1]
         h = layer_norm(self.dtype, "ln1")(x)
-        y = Attention(self.heads, self.dtype, name="attn")(h)
+        y = Attention(self.heads, self.dtype, self.kv_heads, name="attn")(h)
         x = x + self.dense(d, ("qkv", "embed"), "attn_out")(y)
         h = layer_norm(self.dtype, "ln2")(x)
         h = nn.gelu(self.dense(4 * d, ("embed", "mlp"), "mlp_in")(h))
@@ -366,6 +401,7 @@ class GPT(nn.Module):
     heads: int = HEADS
     dtype: Any = jnp.float32
     block: Any = Block  # QKBlock: attention with a heads axis, its logits sown
+    kv_heads: int = 0  # QKBlock's key and value heads (GQA; 0: `heads`)
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -385,7 +421,8 @@ class GPT(nn.Module):
             length=self.layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        block = blocks(self.d_model, self.heads, self.dtype, name="blocks")
+        gqa = {"kv_heads": self.kv_heads} if self.kv_heads else {}
+        block = blocks(self.d_model, self.heads, self.dtype, name="blocks", **gqa)
         x, _ = block(x, None)
         x = layer_norm(self.dtype, "ln_final")(x)
         return embed.attend(x).astype(jnp.float32)
@@ -759,7 +796,8 @@ def qk_optimizer(
     run: str, lr: Any, prefix: Any, dims: Any, tau: float
 ) -> optax.GradientTransformation:
     """The optimizer of a QK run: "adamw" or "muon", with "+qk_clip" followed
-    by `clipax.qk_clip(tau, stacked=prefix)`."""
+    by `clipax.qk_clip(tau, stacked=prefix)` ("+qk_clip[group]": with
+    `gqa="group"`)."""
     name, _, clip = run.partition("+")
     if name == "adamw":
         opt = optax.adamw(lr)  # as the rules study's
@@ -772,7 +810,8 @@ def qk_optimizer(
             muon_weight_dimension_numbers=dims,
         )
     if clip:
-        opt = optax.chain(opt, clipax.qk_clip(tau, stacked=prefix))
+        gqa = "group" if clip.endswith("[group]") else "head"
+        opt = optax.chain(opt, clipax.qk_clip(tau, stacked=prefix, gqa=gqa))
     return opt
 
 
@@ -810,7 +849,11 @@ class QKTrainer:
             else:
                 updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, clipax.metrics(opt_state)
+            attn = params["params"]["blocks"]["attn"]
+            ratio = optax.tree.norm(attn["query"]["kernel"]) / optax.tree.norm(
+                attn["key"]["kernel"]
+            )
+            return params, opt_state, clipax.metrics(opt_state), ratio
 
         self.grad_step = jax.jit(grad_step)
         self.update_step = jax.jit(update_step, static_argnums=0)
@@ -829,8 +872,9 @@ def qk_train(
     bar: tqdm,
 ) -> dict[str, Any]:
     """Trains from `params` on `data` with the QK study's `run` at `lr`; logs
-    every step's loss, largest logit per layer and metrics to `log`. Stops at
-    a non-finite loss."""
+    every step's loss, largest logit per layer, the norm of the query kernels
+    over that of the key kernels (`wq/wk`) and metrics to `log`. Stops at a
+    non-finite loss."""
     steps = data.shape[0]
     opt_state = qk_optimizer(run, lr, trainer.prefix, trainer.dims, trainer.tau).init(
         params
@@ -841,12 +885,15 @@ def qk_train(
     lr_array = jnp.asarray(lr, jnp.float32)
     for t in range(steps):
         loss, grads, sown, per_layer = trainer.grad_step(params, data[t])
-        params, opt_state, metrics = trainer.update_step(
+        params, opt_state, metrics, ratio = trainer.update_step(
             run, grads, opt_state, params, lr_array, sown
         )
-        loss, per_layer, metrics = jax.device_get((loss, per_layer, metrics))
+        loss, per_layer, metrics, ratio = jax.device_get(
+            (loss, per_layer, metrics, ratio)
+        )
         metrics = {k: float(v) for k, v in metrics.items() if k.startswith("qk_clip/")}
         layers = {f"max_logit/{i}": float(v) for i, v in enumerate(per_layer)}
+        layers["wq/wk"] = float(ratio)
         row = {"run": run, "lr": lr, "seed": seed, "step": t, "loss": float(loss)}
         logged = {k: float(f"{v:.6g}") for k, v in {**layers, **metrics}.items()}
         log.write(json.dumps({**row, **logged}) + "\n")
@@ -866,6 +913,7 @@ def qk_train(
         "peak": float(finite.max()) if finite.size else math.nan,
         "last": float(finite[-1]) if finite.size else math.nan,
         "head_clips": head_clips,
+        "ratio": float(ratio),  # wq/wk after the last step
         "held_out": held,
         "spikes": len(events(spike_steps(loss_curve))),
         "finite": bool(np.isfinite(loss_curve).all()),
@@ -878,20 +926,20 @@ def qk_summary(
     """One line per run and learning rate: means over the seeds."""
     seeds = sorted({seed for _, _, seed in runs})
     head = (
-        f"{'run':>18} {'lr':>8} {'seeds':>5} {'peak':>9} {'last':>9} "
-        f"{'clips':>8} {'spikes':>6} {'held-out':>9} {'diverged':>8}"
+        f"{'run':>20} {'lr':>8} {'seeds':>5} {'peak':>9} {'last':>9} "
+        f"{'clips':>8} {'spikes':>6} {'wq/wk':>6} {'held-out':>9} {'diverged':>8}"
     )
     lines = [head]
     for name, lr in dict.fromkeys((name, lr) for name, lr, _ in runs):
         group = [runs[name, lr, seed] for seed in seeds]
         held = [r["held_out"] for r in group if math.isfinite(r["held_out"])]
-        peak, last, clips, spikes = (
+        peak, last, clips, spikes, ratio = (
             float(np.nanmean([r[key] for r in group]))
-            for key in ("peak", "last", "head_clips", "spikes")
+            for key in ("peak", "last", "head_clips", "spikes", "ratio")
         )
         lines.append(
-            f"{name:>18} {lr:8.0e} {len(group):5d} {peak:9.1f} {last:9.1f} "
-            f"{clips:8.1f} {spikes:6.2f} "
+            f"{name:>20} {lr:8.0e} {len(group):5d} {peak:9.1f} {last:9.1f} "
+            f"{clips:8.1f} {spikes:6.2f} {ratio:6.3f} "
             f"{float(np.mean(held)) if held else math.nan:9.3f} "
             f"{sum(diverged(r, bound) for r in group):6d}/{len(group)}"
         )
@@ -904,6 +952,7 @@ def qk_plot(
     lrs: dict[str, list[float]],
     tau: float,
     bound: float,
+    output: str,
 ) -> dict[str, float]:
     """Per optimizer, the largest logit over the steps with and without
     QK-Clip at the rate where its unclipped runs' logits grew most; the
@@ -961,32 +1010,35 @@ def qk_plot(
         )
         finish(peak_ax, f"largest logit of the run, mean of {len(seeds)} seed(s)")
     fig.tight_layout()
-    fig.savefig(QK_OUTPUT, dpi=100)
+    fig.savefig(output, dpi=100)
     plt.close(fig)
     return shown
 
 
 def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
-    """The QK-Clip study (`--qk-clip`): every optimizer, rate and seed from the
-    same initialisation and batches per seed; prints the summary, writes the
-    log and the figure."""
-    steps = args.steps or QK["steps"]
-    seeds = list(range(args.seeds or QK["seeds"]))
-    lrs = {opt: sorted(args.lrs or QK["lrs"][opt]) for opt in ("adamw", "muon")}
-    names = list(QK_RUNS)
+    """The QK-Clip study (`--qk-clip`; with `--gqa`, its GQA variant): every
+    optimizer, rate and seed from the same initialisation and batches per
+    seed; prints the summary, writes the log and the figure."""
+    plan, names = (GQA, list(GQA_RUNS)) if args.gqa else (QK, list(QK_RUNS))
+    output, log_path = (GQA_OUTPUT, GQA_LOG) if args.gqa else (QK_OUTPUT, QK_LOG)
+    steps = args.steps or plan["steps"]
+    seeds = list(range(args.seeds or plan["seeds"]))
+    lrs = {opt: sorted(args.lrs or plan["lrs"][opt]) for opt in ("adamw", "muon")}
     train_text, held_text, files, bound, held_out = corpus()
-    model = GPT(dtype=jnp.dtype(args.dtype), block=QKBlock)
+    kv_heads = GQA_KV_HEADS if args.gqa else 0
+    model = GPT(dtype=jnp.dtype(args.dtype), block=QKBlock, kv_heads=kv_heads)
     total = sum(len(lrs[n.split("+")[0]]) for n in names) * len(seeds)
+    study = f" on GQA ({HEADS} query over {kv_heads} key heads)" if kv_heads else ""
     tqdm.write(
         f"{files} files of the stdlib: {train_text.size:,} training bytes, "
-        f"{held_text.size:,} held out; QK-Clip study, tau {args.tau:g}: {total} "
+        f"{held_text.size:,} held out; QK-Clip study{study}, tau {args.tau:g}: {total} "
         f"runs ({', '.join(names)}; adamw at {lrs['adamw']}, muon at "
         f"{lrs['muon']}) x {steps} steps, {len(seeds)} seed(s), activations "
         f"{args.dtype}"
     )
     runs: dict[tuple[str, float, int], Any] = {}
     start = time.perf_counter()
-    with open(QK_LOG, "w") as log:
+    with open(log_path, "w") as log:
         for seed, prefix, params, data in seeded(model, seeds, steps, train_text):
             if seed == seeds[0]:
                 dims = muon_dims(params, prefix)
@@ -1010,15 +1062,17 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
         "peak: the largest attention logit of the run (per step the max over "
         "layers, heads and batch, before the step's clip); last: at the last "
         "step; clips: heads clipped per run (summed over steps and layers); "
-        f"spikes and diverged as in the rules study (bound {bound:.3f})"
+        "wq/wk: the norm of the query kernels over that of the key kernels "
+        f"after the last step; spikes and diverged as in the rules study (bound "
+        f"{bound:.3f})"
     )
     for line in qk_summary(runs, bound):
         tqdm.write(line)
-    shown = qk_plot(runs, names, lrs, args.tau, bound)
+    shown = qk_plot(runs, names, lrs, args.tau, bound, output)
     tqdm.write(
         "figure: " + ", ".join(f"{opt} at lr {lr:g}" for opt, lr in shown.items())
     )
-    tqdm.write(f"wrote {QK_OUTPUT} and {QK_LOG} in {seconds:.0f} s")
+    tqdm.write(f"wrote {output} and {log_path} in {seconds:.0f} s")
     return runs
 
 
@@ -1046,6 +1100,12 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         "clipax.qk_clip, the largest attention logit per step (~25 min)",
     )
     parser.add_argument(
+        "--gqa",
+        action="store_true",
+        help="with --qk-clip: its GQA variant (4 query heads over 2 key heads), "
+        'QK-Clip\'s gqa="head" against gqa="group" at the high rates',
+    )
+    parser.add_argument(
         "--tau",
         type=float,
         default=QK_TAU,
@@ -1056,6 +1116,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         if args.full:
             parser.error("--full is the rules study's plan; --qk-clip has its own")
         return qk_study(args)
+    if args.gqa:
+        parser.error("--gqa is a variant of the --qk-clip study: give both")
     plan = FULL if args.full else DEFAULT
     steps = args.steps or plan["steps"]
     seeds = list(range(args.seeds or plan["seeds"]))

@@ -232,8 +232,8 @@ QK_RUNS = {"adamw", "adamw+qk_clip", "muon", "muon+qk_clip"}
 QK_STEPS = 6
 QK_ROW = re.compile(
     r"^\s*(?P<run>\S+)\s+(?P<lr>\S+)\s+(?P<seeds>\d+)\s+(?P<peak>\S+)\s+"
-    r"(?P<last>\S+)\s+(?P<clips>\S+)\s+(?P<spikes>\S+)\s+(?P<held>\S+)\s+"
-    r"(?P<diverged>\d+)/(?P<runs>\d+)$",
+    r"(?P<last>\S+)\s+(?P<clips>\S+)\s+(?P<spikes>\S+)\s+(?P<ratio>\S+)\s+"
+    r"(?P<held>\S+)\s+(?P<diverged>\d+)/(?P<runs>\d+)$",
     re.MULTILINE,
 )
 
@@ -271,8 +271,38 @@ def test_lm_spikes_qk_clip(tmp_path: Path) -> None:
         if "+qk_clip" not in r["run"]:
             assert not keys, r
             continue
-        for layer in (0, 1):
-            seen = r[f"qk_clip/params/blocks/{layer}/attn/max_logit"]
-            assert seen == pytest.approx(r[f"max_logit/{layer}"], rel=1e-3)
+        for layer in (0, 1):  # each head's largest logit, layers first
+            heads = [
+                r[f"qk_clip/params/blocks/{layer}/attn/{h}/max_logit"] for h in range(4)
+            ]
+            assert max(heads) == pytest.approx(r[f"max_logit/{layer}"], rel=1e-3)
             assert 0 <= r[f"qk_clip/params/blocks/{layer}/attn/clipped_heads"] <= 4
+        assert r["wq/wk"] > 0
     assert_png(tmp_path / "lm_qk_clip.png")
+
+
+def test_lm_spikes_qk_clip_gqa(tmp_path: Path) -> None:
+    # The GQA variant: 4 query heads over 2 key heads; each rule for a group.
+    out = run_example(
+        "lm_spikes.py",
+        *("--qk-clip", "--gqa", "--steps", "4", "--lrs", "0.1", "--seeds", "1"),
+        *("--tau", "1"),
+        cwd=tmp_path,
+    )
+    rows = {m["run"]: m for m in QK_ROW.finditer(out)}
+    names = {"adamw", "muon"}
+    assert set(rows) == names | {
+        f"{n}+qk_clip{g}" for n in names for g in ("", "[group]")
+    }
+    for run, row in rows.items():
+        assert (float(row["clips"]) > 0) == ("+qk_clip" in run), run
+        assert math.isfinite(float(row["ratio"])), run
+    # Megatron's rule shrinks every query head of a clipped group; the default
+    # only as far as each must: its query kernels keep more of their norm.
+    for name in names:
+        assert float(rows[f"{name}+qk_clip"]["ratio"]) >= float(
+            rows[f"{name}+qk_clip[group]"]["ratio"]
+        ), out
+    logged = (tmp_path / "lm_qk_gqa_metrics.jsonl").read_text().splitlines()
+    assert len(logged) == 6 * 4
+    assert_png(tmp_path / "lm_qk_gqa.png")
