@@ -162,11 +162,12 @@ TRAIN_SCRIPT = SCRIPT.with_name("bench_train_step.py")
 
 
 def test_train_step_benchmark_quick_run_prints_both_models() -> None:
+    # One rule: the script's rows, not the rules (bench_step's tests run them).
     lines = helpers.run_script(
-        TRAIN_SCRIPT, "--quick", "--rule", "clip_by_norm,adagc", XLA_FLAGS=None
+        TRAIN_SCRIPT, "--quick", "--rule", "adagc", XLA_FLAGS=None
     ).splitlines()
     assert lines[0].startswith("whole training step (forward, backward, rule, adamw)")
-    for rule in ("clip_by_norm", "adagc"):
+    for rule in ("adagc",):
         rows = [line for line in lines if line.startswith(f"| {rule} |")]
         cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
         assert [c[2] for c in cells] == ["unrolled", "scanned", ""], cells

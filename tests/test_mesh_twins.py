@@ -128,6 +128,13 @@ RULES: dict[str, tuple[str, Any, Any]] = {
             optax.adam(0.1), warmup_steps=1, z_threshold=0.5, **kw
         ),
     ),
+    "reset_on_spike": (
+        "tx",
+        clipax.reset_on_spike,
+        lambda kw: clipax.reset_on_spike(
+            optax.adam(0.1), warmup_steps=1, z_threshold=0.5, **kw
+        ),
+    ),
     "adaptive_grad_clip": (
         "tx",
         clipax.adaptive_grad_clip,
@@ -404,7 +411,8 @@ def _natural_spec(keys: tuple[str, ...], shape: tuple, case: Case) -> P:
         return P(*found.spec)
     if shape == found.shape[1:]:
         return P(*found.spec[1:])
-    if found.layers and shape == tuple(found.shape[a] for a in found.layers):
+    layers = tuple(found.shape[a] for a in found.layers)
+    if found.layers and shape[: len(layers)] == layers:  # per layer (a window)
         return P(*(found.spec[a] for a in found.layers))
     return P()
 

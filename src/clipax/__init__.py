@@ -31,6 +31,8 @@ from clipax._norm import ClipByNormState as ClipByNormState
 from clipax._norm import clip_by_norm as clip_by_norm
 from clipax._qk_clip import QKClipState as QKClipState
 from clipax._qk_clip import qk_clip as qk_clip
+from clipax._reset import ResetOnSpikeState as ResetOnSpikeState
+from clipax._reset import reset_on_spike as reset_on_spike
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
 from clipax._stable_spam import StableSpamState as StableSpamState
@@ -53,6 +55,7 @@ __all__ = [
     "Metrics",
     "NonFiniteError",
     "QKClipState",
+    "ResetOnSpikeState",
     "SkipSpikesState",
     "StableSpamState",
     "ZClipState",
@@ -69,6 +72,7 @@ __all__ = [
     "migrate_state",
     "nonfinite_errors",
     "qk_clip",
+    "reset_on_spike",
     "skip_spikes",
     "stable_spam",
     "stacked_prefix",

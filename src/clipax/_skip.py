@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -45,6 +45,38 @@ class SkipSpikesState(NamedTuple):
     loss_mean: jax.Array  # dtype scalar
     loss_variance: jax.Array  # dtype scalar
     loss_window: jax.Array  # dtype [window]
+
+
+def statistics(
+    z_threshold: Any, alpha: Any, size: int | None, ddof: Any, warmup: Any
+) -> tuple[Callable[..., jax.Array], Callable[..., tuple]]:
+    """The spike test and the statistics' update, on (count, mean, variance,
+    window) of one value (or, elementwise, of many: the window under
+    `jax.vmap`), with `skip_spikes`' arguments checked."""
+
+    def spike(x: jax.Array, stats: tuple) -> jax.Array:
+        """`x - mean > z_threshold * std` once `warmup_steps` were recorded."""
+        count, mean, variance, _ = stats
+        zt = jnp.asarray(z_threshold, mean.dtype)
+        return (count >= warmup) & (x - mean > zt * jnp.sqrt(variance))
+
+    def recorded(x: jax.Array, stats: tuple, take: jax.Array) -> tuple:
+        """The statistics after `x`, where `take`: the window's, or an EMA with
+        weight `max(1 - alpha, 1 / (count + 1))` (West's incremental form: the
+        exact mean and population variance while few values are in)."""
+        count, mean, variance, buffer = stats
+        new_count = _engine.count_if(take, count)
+        if size is not None:
+            buffer = _adaptive.pushed(buffer, count, x, take)
+            mean, variance = _adaptive.window_moments(buffer, new_count, ddof)
+            return new_count, mean, variance, buffer
+        w = jnp.maximum(1 - jnp.asarray(alpha, mean.dtype), 1 / (count + 1))
+        delta = x - mean
+        moved = (1 - w) * (variance + w * jnp.square(delta))
+        variance = jnp.where(take, moved, variance)
+        return new_count, jnp.where(take, mean + w * delta, mean), variance, buffer
+
+    return spike, recorded
 
 
 def skip_spikes(
@@ -122,27 +154,7 @@ def skip_spikes(
     names = _checks.axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def spike(x: jax.Array, stats: tuple) -> jax.Array:
-        """`x - mean > z_threshold * std` once `warmup_steps` were recorded."""
-        count, mean, variance, _ = stats
-        zt = jnp.asarray(z_threshold, mean.dtype)
-        return (count >= warmup) & (x - mean > zt * jnp.sqrt(variance))
-
-    def recorded(x: jax.Array, stats: tuple, take: jax.Array) -> tuple:
-        """The statistics after `x`, where `take`: the window's, or an EMA with
-        weight `max(1 - alpha, 1 / (count + 1))` (West's incremental form: the
-        exact mean and population variance while few values are in)."""
-        count, mean, variance, buffer = stats
-        new_count = _engine.count_if(take, count)
-        if size is not None:
-            buffer = _adaptive.pushed(buffer, count, x, take)
-            mean, variance = _adaptive.window_moments(buffer, new_count, ddof)
-            return new_count, mean, variance, buffer
-        w = jnp.maximum(1 - jnp.asarray(alpha, mean.dtype), 1 / (count + 1))
-        delta = x - mean
-        moved = (1 - w) * (variance + w * jnp.square(delta))
-        variance = jnp.where(take, moved, variance)
-        return new_count, jnp.where(take, mean + w * delta, mean), variance, buffer
+    spike, recorded = statistics(z_threshold, alpha, size, ddof, warmup)
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
         dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
