@@ -93,6 +93,17 @@ writes `lm_qk_clip.png`: per optimizer the largest logit over the steps with
 and without QK-Clip at the rate where it grew most, and the held-out loss and
 the largest logit against the rate.
 
+With `--reset` the script runs a study of `clipax.reset_on_spike` instead, on
+the default model: AdamW at 0.03 and 0.1 and Muon (as in the QK-Clip study) at
+0.1 and 0.3, each alone and with `reset_on_spike(optimizer, stacked=prefix)`
+(its defaults: the moments of a layer whose gradient norm spikes reset), the
+trainers' skip rule (OLMo-core's, above), `stable_spam(optimizer,
+stacked=prefix)` and `chain(adagc(stacked=prefix), optimizer)`, 3 seeds, 400
+steps. Beside spikes, divergence and the held-out loss, the steps each loss
+spike took to recover (until the loss is back within 5% of the EMA before the
+spike) and the layers reset per run. It writes `lm_reset.png` and
+`lm_reset_metrics.jsonl`.
+
 With `--qk-clip --gqa` the same study runs on GQA attention (4 query heads
 over 2 key and value heads) at the high rates (AdamW at 0.03 and 0.1, Muon at
 0.1 and 0.3), each optimizer alone and followed by `clipax.qk_clip` with its
@@ -112,11 +123,13 @@ Run from the repository root:
     python examples/lm_spikes.py --qk-clip   # 36 runs x 400 steps: ~25 min
     python examples/lm_spikes.py --qk-clip --steps 6 --lrs 0.1 --tau 1   # smoke run
     python examples/lm_spikes.py --qk-clip --gqa   # 36 runs x 400 steps: ~25 min
+    python examples/lm_spikes.py --reset     # 60 runs x 400 steps: ~45 min
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -209,6 +222,12 @@ GQA_RUNS = (
     "muon+qk_clip[group]",
 )
 GQA = {"steps": 400, "seeds": 3, "lrs": {"adamw": [0.03, 0.1], "muon": [0.1, 0.3]}}
+# The moment-reset study (--reset): each optimizer alone and with each rule.
+RESET_RULES = ("none", "reset_on_spike", "trainers.skip", "stable_spam", "adagc")
+RESET = {"steps": 400, "seeds": 3, "lrs": {"adamw": [0.03, 0.1], "muon": [0.1, 0.3]}}
+RESET_OUTPUT = "lm_reset.png"
+RESET_LOG = "lm_reset_metrics.jsonl"
+RECOVERED = 1.05  # recovered: the loss back within 5% of its pre-spike EMA
 # The large trainers' skip rule (OLMo-core, MaxText; Levanter's has ddof=0 and
 # warmup_steps=64): every step's values in a window of 128, 6 sigma.
 TRAINERS_SKIP = {
@@ -471,12 +490,34 @@ def optimizer(rule: str, lr: Any, prefix: Any) -> optax.GradientTransformation:
     raise ValueError(f"unknown rule {rule!r}")
 
 
+def reset_optimizer(
+    run: str, lr: Any, prefix: Any, dims: Any
+) -> optax.GradientTransformation:
+    """The optimizer of a run of the reset study, "<adamw|muon>/<rule>": the
+    optimizer alone, or with `reset_on_spike`, the trainers' skip rule,
+    Stable-SPAM or AdaGC, each per layer of the scanned blocks."""
+    name, rule = run.split("/")
+    opt = qk_optimizer(name, lr, prefix, dims, QK_TAU)
+    if rule == "reset_on_spike":
+        return clipax.reset_on_spike(opt, stacked=prefix)
+    if rule == "trainers.skip":
+        clipped = optax.chain(clipax.clip_by_global_norm(MAX_NORM), opt)
+        return clipax.skip_spikes(clipped, **TRAINERS_SKIP)
+    if rule == "stable_spam":
+        return clipax.stable_spam(opt, stacked=prefix)
+    if rule == "adagc":
+        return optax.chain(clipax.adagc(stacked=prefix), opt)
+    return opt
+
+
 class Trainer:
     """The jitted steps: one gradient step for every rule (it also takes the
-    per-layer norms), one update step per rule, one held-out evaluation."""
+    per-layer norms), one update step per rule, one held-out evaluation;
+    `make(rule, lr, prefix)` gives a rule's optimizer (`optimizer`'s)."""
 
-    def __init__(self, model: GPT, prefix: Any) -> None:
+    def __init__(self, model: GPT, prefix: Any, make: Any = None) -> None:
         self.model, self.prefix = model, prefix
+        self.optimizer = make or optimizer
 
         def grad_step(params: Any, windows: jax.Array) -> Any:
             loss, grads = jax.value_and_grad(
@@ -490,8 +531,8 @@ class Trainer:
         def update_step(
             rule: str, grads: Any, opt_state: Any, params: Any, lr: Any, loss: Any
         ) -> Any:
-            tx = optimizer(rule, lr, prefix)
-            if rule in ("skip_spikes", "trainers.skip"):  # they test the loss too
+            tx = self.optimizer(rule, lr, prefix)
+            if rule.endswith(("skip_spikes", "trainers.skip")):  # the loss too
                 updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
             else:
                 updates, opt_state = tx.update(grads, opt_state, params)
@@ -517,6 +558,22 @@ def spike_steps(loss: np.ndarray) -> np.ndarray:
         if not math.isfinite(value):
             break
         ema = SPIKE_DECAY * ema + (1 - SPIKE_DECAY) * value
+    return out
+
+
+def recoveries(loss: np.ndarray) -> list[int]:
+    """Per loss spike (the first step of each), the steps until the loss is
+    back within `RECOVERED` times the EMA of the losses before it (to the
+    end of the run where it never is)."""
+    out, ema, first = [], float(loss[0]), spike_steps(loss)
+    starts = {a for a, _ in events(first)}
+    for t in range(SPIKE_FROM, loss.size):
+        if t in starts:
+            back = np.flatnonzero(loss[t:] <= RECOVERED * ema)
+            out.append(int(back[0]) if back.size else loss.size - t)
+        if not math.isfinite(float(loss[t])):
+            break
+        ema = SPIKE_DECAY * ema + (1 - SPIKE_DECAY) * float(loss[t])
     return out
 
 
@@ -557,7 +614,7 @@ def train(
     """Trains from `params` on the batches `data` with `rule` at `lr`; logs
     every step to `log`. Stops at a non-finite loss."""
     steps = data.shape[0]
-    opt_state = optimizer(rule, lr, trainer.prefix).init(params)
+    opt_state = trainer.optimizer(rule, lr, trainer.prefix).init(params)
     loss_curve = np.full(steps, np.nan)
     layer_norms: dict[str, np.ndarray] = {}
     clipped = skipped = 0
@@ -592,6 +649,7 @@ def train(
         "held_out": held,
         "clipped": clipped,
         "skipped": skipped,
+        "resets": sum(v for k, v in metrics.items() if k.endswith("/resets")),
         "spike_steps": spike_steps(loss_curve),
         "spikes": len(events(spike_steps(loss_curve))),
         "finite": bool(np.isfinite(loss_curve).all()),
@@ -1076,6 +1134,84 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
     return runs
 
 
+def reset_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
+    """The moment-reset study (`--reset`): AdamW and Muon at their high rates,
+    alone and with each rule, from the same initialisation and batches per
+    seed; prints the summary, writes the log and the figure."""
+    steps = args.steps or RESET["steps"]
+    seeds = list(range(args.seeds or RESET["seeds"]))
+    lrs = {opt: sorted(args.lrs or RESET["lrs"][opt]) for opt in ("adamw", "muon")}
+    names = [f"{opt}/{rule}" for opt in lrs for rule in RESET_RULES]
+    train_text, _, files, bound, held_out = corpus()
+    model = GPT(dtype=jnp.dtype(args.dtype))
+    tqdm.write(
+        f"{files} files of the stdlib: {train_text.size:,} training bytes; moment-"
+        f"reset study: {len(names)} runs per seed ({', '.join(RESET_RULES)}; adamw "
+        f"at {lrs['adamw']}, muon at {lrs['muon']}) x {steps} steps, "
+        f"{len(seeds)} seed(s)"
+    )
+    runs: dict[tuple[str, float, int], Any] = {}
+    start = time.perf_counter()
+    with open(RESET_LOG, "w") as log:
+        for seed, prefix, params, data in seeded(model, seeds, steps, train_text):
+            if seed == seeds[0]:
+                dims = muon_dims(params, prefix)
+                make = functools.partial(reset_optimizer, dims=dims)
+                trainer = Trainer(model, prefix, make)
+            for name in names:
+                for lr in lrs[name.split("/")[0]]:
+                    bar = tqdm(
+                        total=steps,
+                        desc=f"{name} lr {lr:.0e} seed {seed}",
+                        unit="step",
+                        mininterval=1.0,
+                        leave=False,
+                    )
+                    run = train(
+                        trainer, name, lr, seed, params, data, held_out, log, bar
+                    )
+                    run["recoveries"] = recoveries(run["loss"])
+                    runs[name, lr, seed] = run
+                    bar.close()
+    tqdm.write(
+        "spikes and diverged as in the rules study (bound "
+        f"{bound:.3f}); recover: steps from a spike until the loss is within "
+        f"{RECOVERED:g} x its EMA before the spike (to the end where it never "
+        "is), the mean over the spikes; resets: layers reset per run; skipped: "
+        "steps per run"
+    )
+    tqdm.write(
+        f"{'run':>22} {'lr':>7} {'spikes':>6} {'recover':>7} {'resets':>6} "
+        f"{'skipped':>7} {'held-out':>9} {'diverged':>8}"
+    )
+    for name in names:
+        for lr in lrs[name.split("/")[0]]:
+            group = [runs[name, lr, s] for s in seeds]
+            recover = [r for run in group for r in run["recoveries"]]
+            spikes, resets, skipped, held = (
+                float(np.mean([run[key] for run in group]))
+                for key in ("spikes", "resets", "skipped", "held_out")
+            )
+            tqdm.write(
+                f"{name:>22} {lr:7.0e} {spikes:6.2f} "
+                f"{np.mean(recover) if recover else 0.0:7.1f} {resets:6.1f} "
+                f"{skipped:7.1f} {held:9.3f} "
+                f"{sum(diverged(run, bound) for run in group):6d}/{len(group)}"
+            )
+    styles = {name: {} for name in names}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    held_out_sweep(ax, runs, {n: lrs[n.split("/")[0]] for n in names}, styles, bound)
+    ax.set(xscale="log", xlabel="learning rate", ylabel="held-out loss")
+    finish(ax, f"held-out loss, mean of {len(seeds)} seed(s)", ncol=2)
+    fig.tight_layout()
+    fig.savefig(RESET_OUTPUT, dpi=100)
+    plt.close(fig)
+    tqdm.write(
+        f"wrote {RESET_OUTPUT} and {RESET_LOG} in {time.perf_counter() - start:.0f} s"
+    )
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="the whole study")
@@ -1106,6 +1242,12 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         'QK-Clip\'s gqa="head" against gqa="group" at the high rates',
     )
     parser.add_argument(
+        "--reset",
+        action="store_true",
+        help="the moment-reset study instead: AdamW and Muon at their high rates, "
+        "alone and with reset_on_spike, the trainers' skip, Stable-SPAM, AdaGC",
+    )
+    parser.add_argument(
         "--tau",
         type=float,
         default=QK_TAU,
@@ -1118,6 +1260,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         return qk_study(args)
     if args.gqa:
         parser.error("--gqa is a variant of the --qk-clip study: give both")
+    if args.reset:
+        return reset_study(args)
     plan = FULL if args.full else DEFAULT
     steps = args.steps or plan["steps"]
     seeds = list(range(args.seeds or plan["seeds"]))

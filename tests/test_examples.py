@@ -306,3 +306,33 @@ def test_lm_spikes_qk_clip_gqa(tmp_path: Path) -> None:
     logged = (tmp_path / "lm_qk_gqa_metrics.jsonl").read_text().splitlines()
     assert len(logged) == 6 * 4
     assert_png(tmp_path / "lm_qk_gqa.png")
+
+
+RESET_ROW = re.compile(
+    r"^\s*(?P<run>\S+/\S+)\s+(?P<lr>\S+)\s+(?P<spikes>\S+)\s+(?P<recover>\S+)\s+"
+    r"(?P<resets>\S+)\s+(?P<skipped>\S+)\s+(?P<held>\S+)\s+"
+    r"(?P<diverged>\d+)/(?P<runs>\d+)$",
+    re.MULTILINE,
+)
+
+
+def test_lm_spikes_reset(tmp_path: Path) -> None:
+    out = run_example(
+        "lm_spikes.py",
+        *("--reset", "--steps", "3", "--lrs", "0.1", "--seeds", "1"),
+        cwd=tmp_path,
+    )
+    rows = {m["run"]: m for m in RESET_ROW.finditer(out)}
+    rules = ("none", "reset_on_spike", "trainers.skip", "stable_spam", "adagc")
+    assert set(rows) == {f"{o}/{r}" for o in ("adamw", "muon") for r in rules}, out
+    for run, row in rows.items():
+        assert float(row["held"]) > 0, run
+        assert float(row["resets"]) == 0 or run.endswith("reset_on_spike"), run
+    logged = [
+        json.loads(line)
+        for line in (tmp_path / "lm_reset_metrics.jsonl").read_text().splitlines()
+    ]
+    assert len(logged) == 10 * 3
+    reset = next(r for r in logged if r["rule"] == "adamw/reset_on_spike")
+    assert any(k.startswith("reset_on_spike/params/blocks/1/") for k in reset), reset
+    assert_png(tmp_path / "lm_reset.png")
