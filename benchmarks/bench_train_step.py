@@ -21,8 +21,9 @@ least of each side counts). On the scanned model the per-tensor rules take
 `qk_clip` runs on the model whose attention sows each head's largest logit
 (`DenseGeneral` projections with a heads axis), against the same step with
 AdamW alone, the logits' max computed and returned in both. `adagc_bare` and
-`stable_spam_bare` hold each rule against its bare formula: a hand-written
-`jax.tree.map` version keeping the same statistics in its state.
+`stable_spam_bare` and `reset_on_spike_bare` hold each rule against its bare
+formula: a hand-written `jax.tree.map` version keeping the same statistics in
+its state.
 
 `--logging` measures what logging costs instead: on the scanned model with
 `adagc(stacked=...)`, the step that also returns `clipax.metrics(opt_state) |
@@ -277,6 +278,88 @@ def bare_stable_spam(scanned: bool, adamw: Any) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+def bare_reset_on_spike(scanned: bool, adamw: Any) -> optax.GradientTransformation:
+    """`reset_on_spike(adamw)`'s rule as a user writes it with `jax.tree.map`
+    on AdamW's state (its defaults: each layer's gradient norm against its EMA,
+    z 6, alpha 0.985, 64 warm-up norms; `mu` and `nu` reset and restarted with
+    b1 0.9, b2 0.999), keeping the same statistics."""
+    b1, b2, z, alpha, warmup = 0.9, 0.999, 6.0, 0.985, 64
+
+    def norms_of(tree: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda p, g: _layer_norms(p, g, scanned), tree
+        )
+
+    def init(params: Any) -> tuple:
+        norms = norms_of(params)
+        zeros = lambda d: jax.tree.map(lambda n: jnp.zeros(n.shape, d), norms)  # noqa: E731
+        int32, f32 = jnp.int32, jnp.float32
+        fields = (f32, bool, int32, int32, int32, f32, f32)
+        return (adamw.init(params), jnp.zeros((), int32), *map(zeros, fields))
+
+    def update(updates: Any, state: tuple, params: Any = None) -> tuple:
+        inner, count, _, _, resets, age, seen, mean, var = state
+        c = (count + 1).astype(jnp.float32)
+
+        def restarted(m: Any, g: Any, a: Any, b: float, square: bool) -> Any:
+            k = (a + 1).astype(jnp.float32)
+            now = (1 - b**c) / (1 - b**k)
+            before = (1 - b ** (c - 1)) / jnp.where(k > 1, 1 - b ** (k - 1), 1)
+            ratio = _per_layer(jnp.where(k > 1, now / before, 0), m)
+            g = jnp.square(g) if square else g
+            return m * ratio + _per_layer((1 - b) * (now - 1) / b, m) * g
+
+        adam = inner[0]
+        mu = jax.tree.map(
+            lambda m, g, a: restarted(m, g, a, b1, False), adam.mu, updates, age
+        )
+        nu = jax.tree.map(
+            lambda m, g, a: restarted(m, g, a, b2, True), adam.nu, updates, age
+        )
+        out, inner = adamw.update(
+            updates, (adam._replace(mu=mu, nu=nu), *inner[1:]), params
+        )
+        norms = norms_of(updates)
+
+        def test(n: Any, s: Any, m: Any, v: Any) -> tuple:
+            hit = ~jnp.isfinite(n) | ((s >= warmup) & (n - m > z * jnp.sqrt(v)))
+            take = jnp.isfinite(n) & ~hit
+            w, d = jnp.maximum(1 - alpha, 1 / (s + 1)), n - m
+            return (
+                hit,
+                jnp.where(take, s + 1, s),
+                jnp.where(take, m + w * d, m),
+                jnp.where(take, (1 - w) * (v + w * d**2), v),
+            )
+
+        tested = jax.tree.map(test, norms, seen, mean, var)
+        pick = lambda i: jax.tree.map(lambda _, t: t[i], norms, tested)  # noqa: E731
+        spiked = pick(0)
+        adam = inner[0]
+        reset = lambda m, h: jnp.where(_per_layer(h, m), 0, m)  # noqa: E731
+        adam = adam._replace(
+            mu=jax.tree.map(reset, adam.mu, spiked),
+            nu=jax.tree.map(reset, adam.nu, spiked),
+        )
+        inner = (adam, *inner[1:])
+        age = jax.tree.map(lambda h, a: jnp.where(h, 0, a + 1), spiked, age)
+        resets = jax.tree.map(lambda h, r: r + h, spiked, resets)
+        state = (
+            inner,
+            count + 1,
+            norms,
+            spiked,
+            resets,
+            age,
+            pick(1),
+            pick(2),
+            pick(3),
+        )
+        return out, state
+
+    return optax.GradientTransformation(init, update)
+
+
 # The large trainers' skip rule (OLMo-core, MaxText) and Levanter's update clip.
 TRAINERS_SKIP = {"window": 128, "ddof": 1, "warmup_steps": 63, "history": "all"}
 UPDATE_CLIP = {"mode": "std", "z_threshold": 3.0, "window": 128, "warmup_steps": 64}
@@ -338,6 +421,13 @@ RULES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
         ),
         bare_stable_spam,
         "the bare Stable-SPAM (tree.map, same state)",
+    ),
+    "reset_on_spike_bare": (
+        lambda scanned, adamw: clipax.reset_on_spike(
+            adamw, stacked=stacked if scanned else None
+        ),
+        bare_reset_on_spike,
+        "the bare reset (tree.map, same state)",
     ),
     "qk_clip": (
         lambda scanned, adamw: optax.chain(
