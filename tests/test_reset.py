@@ -223,3 +223,15 @@ def test_compiles_once() -> None:
 def test_bad_input_is_refused(make: Any, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         make()
+
+
+def test_haliax_moments_are_reset_and_stay_named_arrays() -> None:
+    hax = pytest.importorskip("haliax")
+    named = lambda g: {"w": hax.NamedArray(jnp.full((2, 3), g), ("a", "b"))}  # noqa: E731
+    tx = clipax.reset_on_spike(optax.adam(LR), warmup_steps=2)
+    state = tx.init(named(0.0))
+    for g in [1.0, 1.1, 60.0]:
+        _, state = jax.jit(tx.update)(named(g), state)
+    mu = state.inner_state[0].mu["w"]
+    assert isinstance(mu, hax.NamedArray) and mu.axis_names == ("a", "b")
+    assert bool(state.spiked["w"]) and not np.any(np.asarray(mu.array))

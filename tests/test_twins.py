@@ -600,6 +600,9 @@ def rules(stacked: Any, mask: Any) -> dict[str, Any]:
         "masked adagc": optax.masked(
             clipax.adagc(warmup_steps=1, stacked=stacked), mask
         ),
+        "reset_on_spike": clipax.reset_on_spike(
+            optax.adam(0.1), warmup_steps=1, z_threshold=0.5, stacked=stacked
+        ),
     }
 
 
@@ -706,7 +709,12 @@ def pick_prefixes(case: Case, paths: list[str]) -> list[str]:
 
 
 # The stat each rule keeps per tensor, to check the twin's keys by.
-STATS = {"clip_by_norm": "norm", "adagc": "ema", "stable_spam": "m_norm"}
+STATS = {
+    "clip_by_norm": "norm",
+    "adagc": "ema",
+    "stable_spam": "m_norm",
+    "reset_on_spike": "resets",
+}
 
 
 def check_rules(case: Case, names: list[str], norms: bool = False) -> tuple:
@@ -792,7 +800,7 @@ def test_per_example_clip_and_group_norms_equal_the_unrolled_twin(case: Case) ->
 @twin_test
 def test_stateful_rules_and_their_logs_equal_the_unrolled_twin(case: Case) -> None:
     s_final, t_final, paths, mask = check_rules(
-        case, ["adagc", "stable_spam", "masked adagc"], norms=True
+        case, ["adagc", "stable_spam", "masked adagc", "reset_on_spike"], norms=True
     )
     # Under `optax.masked`, the masked arrays' keys are gone and no other moved.
     applies = dict(zip(paths, jax.tree.leaves(mask), strict=True))

@@ -144,8 +144,8 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
         for f, v in fields.items()
         if f not in declared.per_tensor
         and f != declared.inner
+        and hasattr(v, "dtype")  # not a tree (one kept per tensor, unreported)
         and np.shape(v) == ()
-        and hasattr(v, "dtype")
     }
     if "norm" in scalars and "threshold" in scalars:
         scalars |= _clip_facts(scalars["norm"], scalars["threshold"])

@@ -128,15 +128,18 @@ def reset_on_spike(
         Raises:
           ValueError: if it holds none, naming the keys it holds.
         """
-        flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+        wrapper = _leaves.is_wrapper  # a NamedArray's moment is one too
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=wrapper)
         index = {leaf.path: i for i, leaf in enumerate(leaves)}
         out, found = [x for _, x in flat], False
-        for j, (path, x) in enumerate(flat):
-            keys = _leaves.path_keys(path)
+        for j, (path, node) in enumerate(flat):
+            keys, x = _leaves.path_keys(path), _leaves.unwrap(node)
             for at in [a for a, k in enumerate(keys) if k in names]:
                 i = index.get(tuple(path[at + 1 :]), -1)
                 if i >= 0 and jnp.shape(x) == leaves[i].x.shape:
-                    out[j], found = fn(x, i, keys[at]).astype(x.dtype), True
+                    new = fn(x, i, keys[at]).astype(x.dtype)
+                    out[j] = jax.tree.unflatten(jax.tree.structure(node), [new])
+                    found = True
         if not found:
             held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})
             raise ValueError(
