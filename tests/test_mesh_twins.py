@@ -45,6 +45,7 @@ import traceback
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -720,3 +721,30 @@ LAYOUTS_USERS_WRITE = {
 @pytest.mark.parametrize("case", LAYOUTS_USERS_WRITE.values(), ids=LAYOUTS_USERS_WRITE)
 def test_the_layouts_users_write(case: Case) -> None:
     check_case(case)
+
+
+def test_a_layout_that_does_not_fit_is_refused_naming_it() -> None:
+    params = {"attn": {"query": jnp.ones((8, 4, 4)), "key": jnp.ones((8, 4, 4))}}
+    qk = clipax.qk_clip(TAU, logit_specs={"blocks": P()})
+    with pytest.raises(
+        ValueError, match=r"`logit_specs` has no PartitionSpec .*\['attn'\]"
+    ):
+        qk.update(
+            params, qk.init(params), params, max_logits={"attn": jnp.ones((2, 4))}
+        )
+    grads = {"a": jnp.ones((8, 2)), "b": jnp.ones((8, 2))}
+    with pytest.raises(ValueError, match=r"pairs the examples.*\[\('x',\), \('y',\)\]"):
+        clipax.tree.per_example_global_norm_clip(
+            grads, 1.0, specs={"a": P("x"), "b": P("y")}
+        )
+    agc = clipax.adaptive_grad_clip(0.1, specs={"a": P()})
+    with pytest.raises(ValueError, match=r"`specs` has no PartitionSpec for .*\['b'\]"):
+        agc.update(grads, agc.init(grads), grads)
+    with pytest.raises(
+        ValueError, match=r"`axis_name` cannot be combined with `stacked`"
+    ):
+        clipax.clip_by_block_rms(1.0, axis_name="x", stacked=1)
+    with pytest.raises(
+        ValueError, match=r"`axis_name` cannot be combined with `stacked`"
+    ):
+        clipax.reset_on_spike(optax.adam(0.1), axis_name="x", stacked=1)

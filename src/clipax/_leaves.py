@@ -376,7 +376,7 @@ def leaves(
             stacked = stacked(tree)
         items = _stack(stacked, tree, items, int(batched))
     if specs is not None or axis_name:
-        items = _place(specs, axis_name, tree, items)
+        items = _place(specs, axis_name, tree, items, said)
         split = {leaf.dims[0] for leaf in items if batched and leaf.dims}
         if len(split) > 1:  # each device must hold the same examples of each
             raise ValueError(
@@ -552,22 +552,22 @@ def _is_spec(node: Any) -> bool:
     return node is None or isinstance(node, PartitionSpec)
 
 
-def _place(specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf]) -> list[Leaf]:
+def _place(
+    specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf], said: str
+) -> list[Leaf]:
     """`items` with the mesh axes that split each dimension, from `specs` (a
-    prefix of PartitionSpecs), and `axis_name`'s, which split some dimension
-    (only a whole-leaf reduction can use them)."""
+    prefix of PartitionSpecs; the argument `said`), and `axis_name`'s, which
+    split some dimension (only a whole-leaf reduction can use them)."""
     found: list[tuple[Any, KeyPath]] = [(None, ())] * len(items)
     if specs is not None:
-        accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the updates)"
-        found = entries(
-            "specs", specs, tree, items, _is_spec, "PartitionSpec", accepted
-        )
+        accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the tree)"
+        found = entries(said, specs, tree, items, _is_spec, "PartitionSpec", accepted)
     out = []
     for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
         if len(spec) > leaf.x.ndim:
             raise ValueError(
-                f"`specs` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
+                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
                 f"has rank {leaf.x.ndim}: a PartitionSpec may not be longer than the "
                 "rank."
             )
