@@ -27,8 +27,8 @@ every leaf whole (`check_vma`, a replicated layout), or the rule reads no
 layout (`clip`), a refusal fails too. The one-device runs must clip.
 
 CI runs 2 derandomized cases per rule and the fixed examples (under a
-minute with `-n 2`); a random search of 300 cases in all (18 per rule), or
-N per rule:
+minute with `-n 2`); a random search of 18 cases per rule (324 in all, about 6
+minutes), or N per rule:
 
     CLIPAX_MESH=long .venv/bin/python -m pytest tests/test_mesh_twins.py
     CLIPAX_MESH=5 .venv/bin/python -m pytest tests/test_mesh_twins.py
