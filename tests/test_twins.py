@@ -751,10 +751,6 @@ def check_rules(case: Case, names: list[str], norms: bool = False) -> tuple:
     return s_final, t_final, paths, twin.mask
 
 
-# The tests in this order: `-n 2` sends them to its two processes in pairs
-# (the first two to one), a heavy one and a light one each.
-
-
 @twin_test
 def test_stateless_rules_equal_the_unrolled_twin(case: Case) -> None:
     names = ["clip_by_norm", "adaptive_grad_clip", "clip_by_block_rms"]
