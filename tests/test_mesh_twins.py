@@ -727,7 +727,8 @@ def test_a_layout_that_does_not_fit_is_refused_naming_it() -> None:
     params = {"attn": {"query": jnp.ones((8, 4, 4)), "key": jnp.ones((8, 4, 4))}}
     qk = clipax.qk_clip(TAU, logit_specs={"blocks": P()})
     with pytest.raises(
-        ValueError, match=r"`logit_specs` has no PartitionSpec .*\['attn'\]"
+        ValueError,
+        match=r"`logit_specs` has no PartitionSpec .*\['attn'\].* of `max_logits`",
     ):
         qk.update(
             params, qk.init(params), params, max_logits={"attn": jnp.ones((2, 4))}

@@ -460,6 +460,7 @@ def entries(
                 f"{short_repr(entry)}."
             )
     table = {tuple(path): (entry, tuple(path)) for path, entry in flat}
+    of = "`max_logits`" if name == "logit_specs" else "the updates"
     out = []
     for leaf in items:
         above = [leaf.path[:end] for end in range(len(leaf.path), -1, -1)]
@@ -467,7 +468,7 @@ def entries(
         if found is None:
             raise ValueError(
                 f"`{name}` has no {what} for the leaf at {path_str(leaf.path)} (shape "
-                f"{tuple(leaf.x.shape)}); it must be a prefix of the updates' tree."
+                f"{tuple(leaf.x.shape)}); it must be a prefix of {of}."
             )
         out.append(found)
     nodes: set[KeyPath] = set()
@@ -481,8 +482,8 @@ def entries(
             path[:end] in empty for end in range(len(path))
         ):
             raise ValueError(
-                f"`{name}` holds an entry at {path_str(path)}, where the updates have "
-                "no node: it must be a prefix of the updates' tree."
+                f"`{name}` holds an entry at {path_str(path)}, where {of} have "
+                f"no node: it must be a prefix of {of}."
             )
     return out
 
