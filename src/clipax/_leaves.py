@@ -78,8 +78,10 @@ def is_wrapper(node: Any) -> bool:
     """Whether `node` wraps one array with metadata about its axes (an NNX
     variable, a haliax `NamedArray`): clipax reads the array, and puts a
     statistic of it in the node's place as a plain array, since the metadata
-    would not fit the statistic's shape."""
-    return is_variable(node) or is_named(node)
+    would not fit the statistic's shape. A wrapper of an empty leaf (an NNX
+    variable holding the `MaskedNode` of `optax.partition`) is none: it
+    flattens to nothing, as the empty leaf does."""
+    return (is_variable(node) or is_named(node)) and not is_empty(unwrap(node))
 
 
 def unwrap(node: Any) -> Any:
