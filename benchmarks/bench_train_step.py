@@ -424,7 +424,7 @@ RULES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
     ),
     "reset_on_spike_bare": (
         lambda scanned, adamw: clipax.reset_on_spike(
-            adamw, stacked=stacked if scanned else None
+            adamw, b1=0.9, b2=0.999, stacked=stacked if scanned else None
         ),
         bare_reset_on_spike,
         "the bare reset (tree.map, same state)",

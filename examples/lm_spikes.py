@@ -499,7 +499,9 @@ def reset_optimizer(
     name, rule = run.split("/")
     opt = qk_optimizer(name, lr, prefix, dims, QK_TAU)
     if rule == "reset_on_spike":
-        return clipax.reset_on_spike(opt, stacked=prefix)
+        # Both optimizers' Adam moments decay by optax's 0.9 and 0.999; Muon's
+        # orthogonalised momentum (beta 0.95) restarts with 0.9 too.
+        return clipax.reset_on_spike(opt, b1=0.9, b2=0.999, stacked=prefix)
     if rule == "trainers.skip":
         clipped = optax.chain(clipax.clip_by_global_norm(MAX_NORM), opt)
         return clipax.skip_spikes(clipped, **TRAINERS_SKIP)

@@ -133,7 +133,7 @@ RULES: dict[str, tuple[str, Any, Any]] = {
         "tx",
         clipax.reset_on_spike,
         lambda kw: clipax.reset_on_spike(
-            optax.adam(0.1), warmup_steps=1, z_threshold=0.5, **kw
+            optax.adam(0.1), b1=0.9, b2=0.999, warmup_steps=1, z_threshold=0.5, **kw
         ),
     ),
     "adaptive_grad_clip": (

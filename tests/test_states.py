@@ -75,7 +75,7 @@ EXAMPLES = {
     clipax.SkipSpikesState: clipax.skip_spikes(optax.sgd(1.0)),
     clipax.StableSpamState: clipax.stable_spam(optax.sgd(1.0)),
     clipax.QKClipState: clipax.qk_clip(1.0, query="w", key="w"),
-    clipax.ResetOnSpikeState: clipax.reset_on_spike(optax.adam(1.0)),
+    clipax.ResetOnSpikeState: clipax.reset_on_spike(optax.adam(1.0), b1=0.9, b2=0.999),
 }
 
 
@@ -212,7 +212,7 @@ FACTORIES = {
     "clip_by_norm": lambda: clipax.clip_by_norm(1.0),
     "clip_by_value": lambda: clipax.clip_by_value(-1.0, 1.0),
     "qk_clip": lambda: clipax.qk_clip(1.0),
-    "reset_on_spike": lambda: clipax.reset_on_spike(optax.adam(1e-3)),
+    "reset_on_spike": lambda: clipax.reset_on_spike(optax.adam(1e-3), b1=0.9, b2=0.999),
     "skip_spikes": lambda: clipax.skip_spikes(optax.adam(1e-3)),
     "stable_spam": lambda: clipax.stable_spam(optax.adam(1e-3)),
     "zclip": lambda: clipax.zclip(),

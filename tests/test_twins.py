@@ -601,7 +601,12 @@ def rules(stacked: Any, mask: Any) -> dict[str, Any]:
             clipax.adagc(warmup_steps=1, stacked=stacked), mask
         ),
         "reset_on_spike": clipax.reset_on_spike(
-            optax.adam(0.1), warmup_steps=1, z_threshold=0.5, stacked=stacked
+            optax.adam(0.1),
+            b1=0.9,
+            b2=0.999,
+            warmup_steps=1,
+            z_threshold=0.5,
+            stacked=stacked,
         ),
     }
 

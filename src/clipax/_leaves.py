@@ -618,6 +618,12 @@ def check_state(
             f"`{fn_name}` was initialised for another tree: {detail}. Its state holds "
             f"statistics for each leaf `init` was given: {again}."
         )
+    if stacks is not None and stacks != items.stacks:
+        raise ValueError(
+            f"`{fn_name}` was initialised with another `stacked=`: its state says "
+            f"where each stack starts ({stacks}), and this one says {items.stacks}: "
+            f"{again}."
+        )
     for (path, entry), leaf in zip(flat, items, strict=True):
         if np.shape(unwrap(entry)) != leaf.layers:
             raise ValueError(
@@ -626,12 +632,6 @@ def check_state(
                 f"holds statistics of shape {np.shape(unwrap(entry))} for it, where "
                 f"this shape needs {leaf.layers}: {again}."
             )
-    if stacks is not None and stacks != items.stacks:
-        raise ValueError(
-            f"`{fn_name}` was initialised with another `stacked=`: its state says "
-            f"where each stack starts ({stacks}), and this one says {items.stacks}: "
-            f"{again}."
-        )
     return [unwrap(entry) for _, entry in flat]
 
 

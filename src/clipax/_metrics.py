@@ -142,9 +142,8 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     scalars = {
         f: jnp.asarray(v)
         for f, v in fields.items()
-        if f not in declared.per_tensor
-        and f != declared.inner
-        and hasattr(v, "dtype")  # not a tree (one kept per tensor, unreported)
+        if f not in (*declared.per_tensor, *declared.unreported, declared.inner)
+        and hasattr(v, "dtype")
         and np.shape(v) == ()
     }
     if "norm" in scalars and "threshold" in scalars:

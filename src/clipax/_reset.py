@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import chex
@@ -13,28 +13,34 @@ from jax.typing import ArrayLike
 
 from clipax import _checks, _engine, _leaves, _skip, _states
 
-# The moments it resets, by optax's names: Adam's `mu` and `nu`, Lion's and
-# Muon's `mu`.
+# The moments it resets, by optax's names (Adam's `mu` and `nu`, Lion's and
+# Muon's `mu`), and the argument giving each one's decay.
 MOMENTS = {"both": ("mu", "nu"), "first": ("mu",)}
+DECAYS = {"mu": "b1", "nu": "b2"}
+NAME = "reset_on_spike"
+AUTO = "auto"  # a decay read from `inner`'s state (`inject_hyperparams`)
+HYPERPARAMS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
 @_states.declare(
     "reset_on_spike",
     per_tensor={"norms": "norm", "spiked": "spiked", "resets": "resets"},
+    unreported=("age", "norm_count", "norm_mean", "norm_variance"),
     inner="inner_state",
 )
 class ResetOnSpikeState(NamedTuple):
     """State of `reset_on_spike`: the wrapped state and each layer's history.
 
-    Each field but `inner_state` and `count` is the updates' tree holding, per
-    tensor, an array shaped as its layers (a scalar for a tensor not stacked).
+    Each field but `inner_state`, `count` and `stacks` is the updates' tree
+    holding, per tensor, an array shaped as its layers (a scalar for a tensor
+    not stacked).
     """
 
     inner_state: optax.OptState  # the wrapped optimizer's state
     count: jax.Array  # type: ignore[assignment]  # int32 scalar: steps taken
     norms: chex.ArrayTree  # float32: the norm watched at the last step
-    spiked: chex.ArrayTree  # bool: the last step reset its moments
-    resets: chex.ArrayTree  # int32: steps that reset them (saturates)
+    spiked: chex.ArrayTree  # bool: the last step reset (or shrank) its moments
+    resets: chex.ArrayTree  # int32: steps that spiked there (saturates)
     age: chex.ArrayTree  # int32: steps since they restarted (`count` where they
     # never did), for their bias correction
     norm_count: chex.ArrayTree  # int32: norms in its statistics
@@ -43,14 +49,125 @@ class ResetOnSpikeState(NamedTuple):
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
+class Moment(NamedTuple):
+    """A moment found in `inner`'s state: its name (`mu`, `nu`), whether the
+    state node holding it keeps a `count` (a bias correction), and the
+    hyperparameters of the `inject_hyperparams` state around it (or None)."""
+
+    name: str
+    counted: bool
+    hyperparams: Any
+
+
+def each_moment(
+    state: Any,
+    names: Sequence[str],
+    paths: dict[_leaves.KeyPath, _leaves.Leaf],
+    fn: Callable[[Any, Moment], Any],
+    hyperparams: Any = None,
+) -> Any:
+    """`state` with `fn(tree, moment)` in place of each moment: a field named
+    in `names` of a state node (a NamedTuple) holding a tree of arrays shaped
+    as the leaves at its paths (optax's `mu`, `nu`; a masked one holds some).
+    A moment is not searched further, so a parameter named `mu` is no moment.
+    """
+    if isinstance(state, HYPERPARAMS):
+        hyperparams = state.hyperparams
+    fields = getattr(state, "_fields", None)
+    children, treedef = _states.children(state)
+    if not children or _leaves.is_wrapper(state):
+        return state
+    out = []
+    for key, child in children:
+        name = _states.key_name(key)
+        if fields is not None and name in names and _holds_leaves(child, paths):
+            out.append(fn(child, Moment(name, "count" in fields, hyperparams)))
+        else:
+            out.append(each_moment(child, names, paths, fn, hyperparams))
+    return treedef.unflatten(out)
+
+
+def _holds_leaves(tree: Any, paths: dict[_leaves.KeyPath, _leaves.Leaf]) -> bool:
+    """Whether `tree` holds arrays, each at a leaf's path and of its shape."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_leaves.is_wrapper)[0]
+    return bool(flat) and all(
+        tuple(p) in paths and jnp.shape(_leaves.unwrap(x)) == paths[tuple(p)].x.shape
+        for p, x in flat
+    )
+
+
+def map_moment(tree: Any, fn: Callable[[jax.Array, _leaves.KeyPath], Any]) -> Any:
+    """A moment with `fn(array, its leaf's path)` for each array, kept in
+    its wrapper (a haliax `NamedArray`) and its dtype."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, node: jax.tree.map(
+            lambda x: fn(x, tuple(path)).astype(x.dtype), node
+        ),
+        tree,
+        is_leaf=_leaves.is_wrapper,
+    )
+
+
+def decay(moment: Moment, given: Any) -> Any:
+    """The decay that restarts `moment`'s bias correction: `given` (the
+    argument `b1` or `b2`), or with `"auto"` the `inject_hyperparams` value
+    around it; None for none.
+
+    Raises:
+      ValueError: naming the argument, where a counted moment's decay is
+        neither given nor held, where one is given and also held, or where
+        one is given for a moment no count corrects.
+    """
+    arg = DECAYS[moment.name]
+    held = (moment.hyperparams or {}).get(arg)
+    where = (
+        f"`reset_on_spike` restarts the bias correction of `inner`'s `{moment.name}`"
+    )
+    if given == AUTO and held is None and moment.counted:
+        raise ValueError(
+            f"{where}, which needs its decay: pass `{arg}=` (the optimizer's own), "
+            f"`{arg}=None` where `{moment.name}` has no bias correction (Lion), or "
+            f"build `inner` with `optax.inject_hyperparams` so that it is read there."
+        )
+    if given not in (AUTO, None) and held is not None:
+        raise ValueError(
+            f"{where} with the `{arg}` that `inner`'s state holds "
+            f"(`optax.inject_hyperparams`); `{arg}`={given} would be a second one: "
+            "leave it out."
+        )
+    if given not in (AUTO, None) and not moment.counted:
+        raise ValueError(
+            f"`{arg}`={given} restarts the bias correction of `inner`'s "
+            f"`{moment.name}`, but the state holding it keeps no `count`: it has "
+            f"none. Pass `{arg}=None`."
+        )
+    return held if given == AUTO else given
+
+
+def restarted(
+    x: jax.Array, g: jax.Array, b: Any, age: jax.Array, count: jax.Array, leaf: Any
+) -> jax.Array:
+    """The moment `x` (of decay `b`) scaled and shifted by this step's `g`
+    (the gradient for `mu`, its square for `nu`) so that `inner`'s bias
+    correction by `count + 1` gives it its own `age`'s: kept as
+    `(1 - b**(count + 1)) / (1 - b**(age + 1))` times the moment restarted
+    (docs/skipping-and-logging.md)."""
+    c = (count + 1).astype(jnp.float32)
+    k = (age + 1).astype(jnp.float32)
+    now = (1 - b**c) / (1 - b**k)
+    before = (1 - b ** (c - 1)) / jnp.where(k > 1, 1 - b ** (k - 1), 1)
+    ratio = leaf.broadcast(jnp.where(k > 1, now / before, 0))
+    return x * ratio + leaf.broadcast((1 - b) * (now - 1) / b) * g
+
+
 def reset_on_spike(
     inner: optax.GradientTransformation,
     *,
     watch: Literal["gradient", "update"] = "gradient",
     moments: Literal["both", "first"] = "both",
     factor: ArrayLike = 0.0,
-    b1: float | None = 0.9,
-    b2: float | None = 0.999,
+    b1: float | Literal["auto"] | None = AUTO,
+    b2: float | Literal["auto"] | None = AUTO,
     z_threshold: ArrayLike = 6.0,
     alpha: ArrayLike = 0.985,
     warmup_steps: int = 64,
@@ -65,14 +182,16 @@ def reset_on_spike(
     of its own past norms as `skip_spikes` tests the global norm. Where it
     spikes, `inner`'s moments there (`mu`, and `nu`) are multiplied by
     `factor`; a reset moment restarts its bias correction, as if the optimizer
-    started there (docs/skipping-and-logging.md).
+    started there. A layer whose gradient is NaN or inf takes no step, and its
+    moments restart from zero (docs/skipping-and-logging.md).
 
     Args:
       inner: the optimizer, e.g. `optax.adamw(1e-3)`, given `update`'s extras.
       watch: `"gradient"` or `"update"` (`inner`'s output): whose norms.
       moments: `"both"` (`mu` and `nu`) or `"first"` (`mu`).
       factor: what a spiking layer's moments are multiplied by, in [0, 1).
-      b1: the decay of `mu`, for its bias correction; None: none (Lion, Muon).
+      b1: the decay of `mu`, for its bias correction: `"auto"` reads it from
+        `inner`'s `optax.inject_hyperparams` state; None: none (Lion).
       b2: the decay of `nu`, likewise.
       z_threshold: the z-score of a spike, > 0.
       alpha: the EMA factor of the statistics, in (0, 1).
@@ -85,15 +204,17 @@ def reset_on_spike(
       A `GradientTransformationExtraArgs` whose state is a `ResetOnSpikeState`.
 
     Raises:
-      ValueError: if an argument is not accepted, or `inner`'s state holds no
-        such moment shaped like the params (naming what it holds).
+      ValueError: if an argument is not accepted, `inner`'s state holds no
+        such moment shaped like the params (naming what it holds), or a
+        moment's decay is neither given nor held (naming `b1` or `b2`).
       TypeError: if `inner` is not a transformation, or a leaf not a float.
 
     Example:
       >>> import jax.numpy as jnp
       >>> import optax
       >>> import clipax
-      >>> tx = clipax.reset_on_spike(optax.adam(0.1), warmup_steps=3)
+      >>> adam = optax.adam(0.1, b1=0.9, b2=0.95)
+      >>> tx = clipax.reset_on_spike(adam, b1=0.9, b2=0.95, warmup_steps=3)
       >>> state = tx.init({"a": jnp.zeros(1), "b": jnp.zeros(1)})
       >>> for g in [1.0, 1.1, 0.9, 1.0, 60.0]:  # a spike in "a" at the last step
       ...     _, state = tx.update({"a": jnp.array([g]), "b": jnp.ones(1)}, state)
@@ -108,50 +229,32 @@ def reset_on_spike(
     names = MOMENTS[_checks.choice("moments", moments, tuple(MOMENTS))]
     accepted = "a real number in [0, 1)"
     factor = _checks.number("factor", factor, accepted, low=0, high=1, high_open=True)
-    decay = {
-        name: None if value is None else _checks.unit(arg, value)
+    given = {
+        name: value if value in (AUTO, None) else _checks.unit(arg, value)
         for name, arg, value in (("mu", "b1", b1), ("nu", "b2", b2))
     }
     z_threshold = _checks.positive("z_threshold", z_threshold, inf_ok=True)
     alpha = _checks.unit("alpha", alpha)
     warmup = _checks.integer("warmup_steps", warmup_steps)
     spike, recorded = _skip.statistics(z_threshold, alpha, None, 0, warmup)
-    checked = _leaves.reader(
-        "reset_on_spike", stacked=stacked, specs=specs, axis_name=axis_name
-    )
+    checked = _leaves.reader(NAME, stacked=stacked, specs=specs, axis_name=axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def each_moment(state: Any, leaves: _leaves.Leaves, fn: Any) -> Any:
-        """`state` with `fn(moment, leaf index, its name)` for each of its
-        moments: the leaves under a `names` key shaped like a parameter.
-
-        Raises:
-          ValueError: if it holds none, naming the keys it holds.
-        """
-        wrapper = _leaves.is_wrapper  # a NamedArray's moment is one too
-        flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=wrapper)
-        index = {leaf.path: i for i, leaf in enumerate(leaves)}
-        out, found = [x for _, x in flat], False
-        for j, (path, node) in enumerate(flat):
-            keys, x = _leaves.path_keys(path), _leaves.unwrap(node)
-            for at in [a for a, k in enumerate(keys) if k in names]:
-                i = index.get(tuple(path[at + 1 :]), -1)
-                if i >= 0 and jnp.shape(x) == leaves[i].x.shape:
-                    new = fn(x, i, keys[at]).astype(x.dtype)
-                    out[j] = jax.tree.unflatten(jax.tree.structure(node), [new])
-                    found = True
+    def init_fn(params: optax.Params) -> ResetOnSpikeState:
+        leaves, inner_state = checked(params), inner.init(params)
+        found: list[Moment] = []
+        paths = {leaf.path: leaf for leaf in leaves}
+        each_moment(inner_state, names, paths, lambda t, m: found.append(m) or t)
         if not found:
+            flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
             held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})
             raise ValueError(
                 f"`reset_on_spike` resets `inner`'s moments {list(names)}, trees "
                 f"shaped like the params in its state; it holds none: its keys are "
                 f"{held[:12]}."
             )
-        return jax.tree.unflatten(treedef, out)
-
-    def init_fn(params: optax.Params) -> ResetOnSpikeState:
-        leaves, inner_state = checked(params), inner.init(params)
-        each_moment(inner_state, leaves, lambda x, i, name: x)
+        for moment in found:
+            decay(moment, given[moment.name])
         dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
         kinds = (dtype, bool, i32, i32, i32, dtype, dtype)  # norms ... norm_variance
         stats = [leaves.full(0, kind) for kind in kinds]  # each its own arrays
@@ -166,56 +269,88 @@ def reset_on_spike(
         **extra_args: Any,
     ) -> tuple[optax.Updates, ResetOnSpikeState]:
         leaves = checked(updates)
-        age, resets, *stats = (
-            _leaves.check_state("reset_on_spike", leaves, tree, state.stacks)
-            for tree in (state.age, state.resets, *state[6:9])
+        at = {leaf.path: leaf for leaf in leaves}
+        age, resets, *history = (
+            dict(
+                zip(at, _leaves.check_state(NAME, leaves, t, state.stacks), strict=True)
+            )
+            for t in (
+                state.age,
+                state.resets,
+                state.norm_count,
+                state.norm_mean,
+                state.norm_variance,
+            )
         )
-        c = (state.count + 1).astype(jnp.float32)
+        norms = dict(zip(at, _engine.layer_norms(leaves), strict=True))
+        # A layer whose gradient is NaN or inf steps with a zero gradient, so
+        # that nothing NaN enters `inner` (whose clip would spread it).
+        lost = {p: ~jnp.isfinite(n) for p, n in norms.items()}
+        grads = {p: jnp.where(at[p].broadcast(lost[p]), 0, at[p].x) for p in at}
 
-        def restarted(x: jax.Array, i: int, name: str) -> jax.Array:
-            """The moment scaled and shifted by this step's gradient so that
-            `inner`'s bias correction by `count + 1` gives it its own age's:
-            kept as `(1 - b**(count + 1)) / (1 - b**(age + 1))` times the
-            moment restarted (docs/skipping-and-logging.md)."""
-            b, leaf = decay[name], leaves[i]
+        def restart(tree: Any, moment: Moment) -> Any:
+            b = decay(moment, given[moment.name])
             if b is None:
-                return x
-            k = (age[i] + 1).astype(jnp.float32)
-            now = (1 - b**c) / (1 - b**k)
-            before = (1 - b ** (c - 1)) / jnp.where(k > 1, 1 - b ** (k - 1), 1)
-            g = leaf.x if name == "mu" else jnp.square(jnp.abs(leaf.x))
-            ratio = leaf.broadcast(jnp.where(k > 1, now / before, 0))
-            return x * ratio + leaf.broadcast((1 - b) * (now - 1) / b) * g
+                return tree
+            square = moment.name == "nu"  # Adam's second moment is of g**2
+            return map_moment(
+                tree,
+                lambda x, p: restarted(
+                    x,
+                    jnp.square(jnp.abs(grads[p])) if square else grads[p],
+                    b,
+                    age[p],
+                    state.count,
+                    at[p],
+                ),
+            )
 
-        inner_state = each_moment(state.inner_state, leaves, restarted)
+        inner_state = each_moment(state.inner_state, names, at, restart)
         new_updates, inner_state = inner.update(
-            updates, inner_state, params, **extra_args
+            leaves.rebuild(list(grads.values())), inner_state, params, **extra_args
         )
-        norms = _engine.layer_norms(
-            checked(new_updates) if watch == "update" else leaves
-        )
-        spiked, kept = [], []
-        for n, *history in zip(norms, *stats, strict=True):
-            hit = ~jnp.isfinite(n) | spike(n, (*history, None))
-            spiked.append(hit)
-            kept.append(recorded(n, (*history, None), jnp.isfinite(n) & ~hit)[:3])
+        out = checked(new_updates)
+        if watch == "update":
+            norms = dict(zip(at, _engine.layer_norms(out), strict=True))
+            lost = {p: lost[p] | ~jnp.isfinite(n) for p, n in norms.items()}
+        spiked = {
+            p: lost[p] | spike(n, (*(h[p] for h in history), None))
+            for p, n in norms.items()
+        }
+
+        def reset(x: jax.Array, p: _leaves.KeyPath) -> jax.Array:
+            """A spiking layer's moment times `factor`; zero where it was lost."""
+            kept = jnp.where(at[p].broadcast(lost[p]), 0, x * factor)
+            return jnp.where(at[p].broadcast(spiked[p]), kept, x)
+
         inner_state = each_moment(
-            inner_state,
-            leaves,
-            lambda x, i, _: jnp.where(leaves[i].broadcast(spiked[i]), x * factor, x),
+            inner_state, names, at, lambda tree, _: map_moment(tree, reset)
         )
-        restart = [h & (factor == 0) for h in spiked]  # a shrunk moment goes on
-        age = [
-            jnp.where(r, 0, optax.safe_int32_increment(a))
-            for r, a in zip(restart, age, strict=True)
+        kept = [
+            recorded(n, (*(h[p] for h in history), None), jnp.isfinite(n) & ~spiked[p])
+            for p, n in norms.items()
         ]
-        resets = list(map(_engine.count_if, spiked, resets))
-        fields = map(
-            leaves.stats, [norms, spiked, resets, age, *zip(*kept, strict=True)]
+        restart_now = {p: spiked[p] & (lost[p] | (factor == 0)) for p in at}
+        stats = [
+            norms.values(),
+            spiked.values(),
+            [_engine.count_if(spiked[p], resets[p]) for p in at],
+            [
+                jnp.where(restart_now[p], 0, optax.safe_int32_increment(age[p]))
+                for p in at
+            ],
+            *zip(*(k[:3] for k in kept), strict=True),
+        ]
+        new_updates = out.rebuild(
+            [jnp.where(leaf.broadcast(lost[leaf.path]), 0, leaf.x) for leaf in out]
         )
-        count = optax.safe_int32_increment(state.count)
         return new_updates, ResetOnSpikeState._make(
-            [inner_state, count, *fields, state.stacks]
+            [
+                inner_state,
+                optax.safe_int32_increment(state.count),
+                *map(leaves.stats, stats),
+                state.stacks,
+            ]
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -9,12 +9,14 @@ A state class declares itself where it is defined:
 - `per_tensor`: the fields holding a tree like the updates with one array per
   leaf, shaped as its layers, reported tensor by tensor under the name given
   (`norms` -> `norm`);
+- `unreported`: the other per-tensor fields (kept, not reported);
 - `per_head`: those per-tensor fields whose arrays hold, after the layers, one
   entry per attention head, keyed after the tensor's path (`attn/3/max_logit`);
 - `inner`: for a wrapper, the field holding the wrapped state, which `metrics`
   walks and `migrate_state` fills from the old state.
 
-Every other field holding a 0-d array is a scalar statistic. Where `metrics`
+Every other field holding a 0-d array is a scalar statistic: which fields
+`metrics` reports depends on the class alone, never on the tree's shape. Where `metrics`
 finds a `norm` and a `threshold` (scalars, or both per tensor), it adds
 `clipped` and `clip_factor`. A restored state (orbax's untargeted restore, an
 `nnx.State`) keeps only its field names: a mapping whose keys are exactly a
@@ -45,6 +47,7 @@ class Declared:
     inner: str | None
     fields: tuple[str, ...]  # the class's `_fields`
     per_head: tuple[str, ...] = ()
+    unreported: tuple[str, ...] = ()
 
     def is_restored(self, node: Mapping[Any, Any]) -> bool:
         """Whether `node` is this class's state with its class gone (a static
@@ -67,6 +70,7 @@ def declare(
     per_tensor: Mapping[str, str] | None = None,
     inner: str | None = None,
     per_head: tuple[str, ...] = (),
+    unreported: tuple[str, ...] = (),
 ) -> Callable[[_Class], _Class]:
     """A class decorator that declares a NamedTuple a clipax state class.
 
@@ -83,7 +87,7 @@ def declare(
             raise TypeError(
                 f"`declare` takes a NamedTuple class; got {cls.__qualname__}."
             )
-        for field in (*per_tensor, *([] if inner is None else [inner])):
+        for field in (*per_tensor, *unreported, *([] if inner is None else [inner])):
             if field not in fields:
                 raise ValueError(
                     f"{cls.__qualname__} has no field {field!r} to declare; its "
@@ -97,7 +101,9 @@ def declare(
                     f"{other.cls.__qualname__}, declared as {other.name!r}, has "
                     f"the same {same}."
                 )
-        DECLARED[cls] = Declared(cls, name, per_tensor, inner, fields, per_head)
+        DECLARED[cls] = Declared(
+            cls, name, per_tensor, inner, fields, per_head, unreported
+        )
         return cls
 
     return add
