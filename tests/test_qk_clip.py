@@ -170,7 +170,7 @@ def test_gqa_group_is_megatrons_rule(alpha: float) -> None:
     params = {"attn": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), module)}
     zeros = jax.tree.map(jnp.zeros_like, params)
     tx = clipax.qk_clip(TAU, alpha=alpha, gqa="group")
-    updates, _ = jax.jit(tx.update)(
+    updates, state = jax.jit(tx.update)(
         zeros, tx.init(params), params, max_logits={"attn": jnp.asarray(s[None])}
     )
     clipped = jax.tree.map(lambda p, u: np.asarray(p + u, np.float64), params, updates)
@@ -179,6 +179,7 @@ def test_gqa_group_is_megatrons_rule(alpha: float) -> None:
     for part in ("query", "key"):  # the group under TAU: bit for bit
         got = np.asarray(updates["attn"][part]["kernel"])
         assert np.all(got[:, -(got.shape[1] // 2) :] == 0.0)
+    assert int(state.clipped_heads["attn"]) == 4  # group 0's query heads, scaled
 
 
 @pytest.mark.parametrize("alpha", [0.5, 0.0])
@@ -470,6 +471,13 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
             r"key heads divide the query heads.*\(4,\).*\(3,\)",
         ),
         (
+            lambda: clipax.qk_clip(1.0),
+            "int logits",
+            TypeError,
+            r"^`max_logits` holds the step's largest attention logits, floats; the "
+            r"leaf at \['attn'\] has dtype int32\. Cast it",
+        ),
+        (
             lambda: clipax.qk_clip(1.0, query="q"),
             "no module",
             ValueError,
@@ -496,6 +504,9 @@ def test_bad_input_is_refused(make: Any, call: Any, error: type, match: str) -> 
             tx.update(params, state, params, max_logits={"blocks": good["attn"]})
         elif call == "wrong heads":
             tx.update(params, state, params, max_logits={"attn": jnp.ones((2, 3))})
+        elif call == "int logits":
+            ints = {"attn": jnp.ones((2, 4), jnp.int32)}
+            tx.update(params, state, params, max_logits=ints)
 
 
 def test_nnx_optimizer_passes_the_intermediates() -> None:

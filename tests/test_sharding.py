@@ -193,27 +193,30 @@ def test_small_leaves_in_shard_map_equal_one_device(
 def test_local_per_leaf_clipping_keeps_what_each_leaf_varies_over(
     mesh: jax.sharding.Mesh,
 ) -> None:
-    # With `specs=P()` (each device's block a tensor of its own), each leaf is
-    # clipped by its block's norm. The leaves vary over different mesh axes
-    # (or none), in stacks of small leaves of one shape and as whole leaves:
-    # each output varies over its own leaf's axes only, as `out_specs`
-    # requires (one pack or stack for leaves of different axes would make
-    # every output vary over all of them).
+    # With `specs=P()` and `check_vma=False` (each device's block a tensor of
+    # its own), each leaf is clipped by its block's norm. The leaves vary over
+    # different mesh axes (or none), in stacks of small leaves of one shape
+    # and as whole leaves. With `check_vma=True` JAX's types show those leaves
+    # varying where `specs` says they are the same: refused, naming the leaf.
     rng = np.random.default_rng(5)
     shapes = {"x": (4, 4), "y": (8,), "z": (3,)}
     shapes |= {"s0": (4, 3), "s1": (4, 3), "t0": (8, 3), "t1": (8, 3), "r": (2, 3)}
     host = {k: (3.0 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
     specs = {"x": P("data"), "y": P("model"), "z": P(), "r": P()}
     specs |= {"s0": P("data"), "s1": P("data"), "t0": P("model"), "t1": P("model")}
-    fn = jax.jit(
-        jax.shard_map(
-            lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=P()),
-            mesh=mesh,
-            in_specs=(specs,),
-            out_specs=specs,
+
+    def local(check_vma: bool) -> Any:
+        return jax.jit(
+            jax.shard_map(
+                lambda t: clipax.tree.clip_by_norm(t, 1.0, specs=P()),
+                mesh=mesh,
+                in_specs=(specs,),
+                out_specs=specs,
+                check_vma=check_vma,
+            )
         )
-    )
-    got = fn(_shard(mesh, host, specs))
+
+    got = local(False)(_shard(mesh, host, specs))
     for key, x in host.items():
         blocks = {"data": 2, "model": 4}.get(specs[key][0] if specs[key] else "", 1)
         want = []
@@ -222,6 +225,12 @@ def test_local_per_leaf_clipping_keeps_what_each_leaf_varies_over(
             want.append(block * 1.0 / max(norm, 1.0))
         np.testing.assert_allclose(got[key], np.concatenate(want), rtol=1e-6)
         assert np.linalg.norm(x) > 1.0, key  # every leaf is clipped
+    with pytest.raises(
+        ValueError,
+        match=r"`specs` gives P\(\) to the leaf at \['s0'\], which JAX's types show "
+        r"varying over the mesh axes \['data'\] of this shard_map",
+    ):
+        local(True)(_shard(mesh, host, specs))
 
 
 def _collectives(jaxpr: Any, counts: dict[str, int]) -> None:

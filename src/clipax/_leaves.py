@@ -309,6 +309,11 @@ def _dtype_error(fn_name: str, leaf: Leaf, kind: str) -> str | None:
             f"`{fn_name}` clamps real integer or floating-point leaves; {where} has "
             f"dtype {dtype}, which has no order to clamp in."
         )
+    if kind == "logits" and not jnp.issubdtype(dtype, jnp.floating):
+        return (
+            f"`max_logits` holds the step's largest attention logits, floats; "
+            f"{where} has dtype {dtype}. Cast it (`x.astype(jnp.float32)`)."
+        )
     narrow = dtype.itemsize < 2 and jnp.issubdtype(dtype, jnp.floating)
     if kind == "norm" and (narrow or not jnp.issubdtype(dtype, jnp.inexact)):
         return (  # float8, float4: no implicit promotion in JAX
@@ -340,8 +345,8 @@ def leaves(
     Args:
       tree: the updates (or parameters).
       fn_name: the public name, for messages.
-      kind: `"norm"` (float16 or wider, or complex) or `"value"` (real
-        integer or floating): the leaves a rule can read.
+      kind: `"norm"` (float16 or wider, or complex), `"value"` (real
+        integer or floating) or `"logits"` (floating): the leaves a rule reads.
       stacked: the `stacked=` prefix (or a function giving it), whose entries
         give the layer axes.
       specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
@@ -565,6 +570,7 @@ def _place(
     if specs is not None:
         accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the tree)"
         found = entries(said, specs, tree, items, _is_spec, "PartitionSpec", accepted)
+    typed = bool(manual := manual_axes()) and types_checked(manual)
     out = []
     for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
@@ -585,6 +591,15 @@ def _place(
             else ()
             for e in spec + (None,) * (leaf.x.ndim - len(spec))
         )
+        unsaid = set(varying(leaf.x) if typed else ()) - {*axis_name, *sum(dims, ())}
+        if unsaid:
+            raise ValueError(
+                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
+                f"JAX's types show varying over the mesh axes {sorted(unsaid)} of this "
+                "shard_map: split there, or different on each device, where "
+                f"`{said}` says it is the same. Pass the `in_specs` you gave "
+                "shard_map for it, or make it whole first (`lax.pmean`)."
+            )
         out.append(dataclasses.replace(leaf, dims=dims, anywhere=axis_name))
     return out
 

@@ -28,7 +28,9 @@ class QKClipState(NamedTuple):
     max_logit: chex.ArrayTree  # the params' containers, holding at each
     # attention module a float32 [layers..., query heads]: each head's
     # largest attention logit (per layer of a stacked module); None elsewhere
-    clipped_heads: chex.ArrayTree  # likewise, int32 [layers...]: heads clipped
+    clipped_heads: chex.ArrayTree  # likewise, int32 [layers...]: the query
+    # heads clipped (each over the threshold; with gqa="group", every head of
+    # a group whose hottest is, all of whose query weights are scaled)
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
@@ -71,7 +73,8 @@ def qk_clip(
       head_axis: the heads' axis of each projection leaf, within one layer.
       rope_dim: MLA: a query head's trailing entries, scaled by `eta` whole.
       key_dim: MLA: None, or a key head's leading entries, scaled (fused k/v).
-      gqa: `"head"`, or `"group"`: each group by its hottest head (Megatron-LM).
+      gqa: `"head"`, or `"group"`: each group by its hottest head (Megatron-LM);
+        `clipped_heads` then counts every query head of a clipped group.
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
       axis_name: FSDP: the mesh axes splitting every leaf and the batch.
       specs: inside `shard_map`, the `in_specs` of the updates.
@@ -294,7 +297,9 @@ def qk_clip(
             )
         # An NNX intermediate holds a `sow`'s tuple: the tuple is the node.
         sown = jax.tree.map(_leaves.unwrap, max_logits, is_leaf=_leaves.is_wrapper)
-        records = _leaves.leaves(sown, "qk_clip", specs=logit_specs, said="logit_specs")
+        records = _leaves.leaves(
+            sown, "qk_clip", kind="logits", specs=logit_specs, said="logit_specs"
+        )
         index = {leaf.path: i for i, leaf in enumerate(leaves)}
         out, tau = list(leaves.arrays), jnp.asarray(threshold, jnp.float32)
         found, peaks, counts = modules(params, leaves), {}, {}
@@ -318,7 +323,7 @@ def qk_clip(
             first = m.parts[0][0]
             layers = list(first.layer_axes)
             peaks[m.path] = mine(first, s, layers)
-            counts[m.path] = mine(first, jnp.sum(over, -1, dtype=jnp.int32), layers)
+            counts[m.path] = mine(first, jnp.sum(eta < 1, -1, dtype=jnp.int32), layers)
         return leaves.rebuild(out), state_of(params, found, peaks, counts)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

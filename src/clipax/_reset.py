@@ -18,7 +18,7 @@ from clipax import _checks, _engine, _leaves, _skip, _states
 MOMENTS = {"both": ("mu", "nu"), "first": ("mu",)}
 DECAYS = {"mu": "b1", "nu": "b2"}
 NAME = "reset_on_spike"
-AUTO = "auto"  # a decay read from `inner`'s state (`inject_hyperparams`)
+AUTO: Literal["auto"] = "auto"  # a decay read from `inner`'s state (`inject_hyperparams`)
 HYPERPARAMS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
@@ -243,8 +243,13 @@ def reset_on_spike(
     def init_fn(params: optax.Params) -> ResetOnSpikeState:
         leaves, inner_state = checked(params), inner.init(params)
         found: list[Moment] = []
-        paths = {leaf.path: leaf for leaf in leaves}
-        each_moment(inner_state, names, paths, lambda t, m: found.append(m) or t)
+
+        def check(tree: Any, moment: Moment) -> Any:
+            decay(moment, given[moment.name])
+            found.append(moment)
+            return tree
+
+        each_moment(inner_state, names, {leaf.path: leaf for leaf in leaves}, check)
         if not found:
             flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
             held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})
@@ -253,8 +258,6 @@ def reset_on_spike(
                 f"shaped like the params in its state; it holds none: its keys are "
                 f"{held[:12]}."
             )
-        for moment in found:
-            decay(moment, given[moment.name])
         dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
         kinds = (dtype, bool, i32, i32, i32, dtype, dtype)  # norms ... norm_variance
         stats = [leaves.full(0, kind) for kind in kinds]  # each its own arrays
