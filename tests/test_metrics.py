@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -10,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import clipax
 from tests import helpers
@@ -363,3 +367,65 @@ def test_a_per_layer_state_split_across_devices_is_refused_in_shard_map() -> Non
         np.linalg.norm(np.arange(24.0).reshape(4, 6), axis=1),
         rtol=1e-6,
     )
+
+
+# Every public rule with a state, made with `stacked=` where it takes it.
+KEYED_RULES: dict[str, Any] = {
+    "clip_by_global_norm": lambda **kw: clipax.clip_by_global_norm(1.0),
+    "clip_by_norm": lambda **kw: clipax.clip_by_norm(1.0, **kw),
+    "autoclip": lambda **kw: clipax.autoclip(history=3),
+    "zclip": lambda **kw: clipax.zclip(warmup_steps=1),
+    "adagc": lambda **kw: clipax.adagc(warmup_steps=1, **kw),
+    "skip_spikes": lambda **kw: clipax.skip_spikes(optax.sgd(1.0), warmup_steps=1),
+    "stable_spam": lambda **kw: clipax.stable_spam(optax.sgd(1.0), **kw),
+    "reset_on_spike": lambda **kw: clipax.reset_on_spike(
+        optax.adam(1.0), b1=0.9, b2=0.999, warmup_steps=1, **kw
+    ),
+    "qk_clip": lambda **kw: clipax.qk_clip(1.0, query="q", key="k", **kw),
+}
+TREE_KINDS = ("bare", "one leaf", "nested", "stacked")
+
+
+def _keyed_tree(kind: str, rule: str, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """A tree of `kind` and its `stacked=` prefix (None where not stacked);
+    for qk_clip, its attention module (a `q` and a `k`) in the same place."""
+    x = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) + 1.0
+    leaf: Any = {"q": x, "k": x} if rule == "qk_clip" else x
+    if kind == "stacked":
+        return {"blocks": jax.tree.map(lambda a: jnp.stack([a, 2 * a]), leaf)}, 1
+    tree = {"bare": leaf, "one leaf": {"a": leaf}, "nested": {"a": {"b": leaf}}}
+    return tree[kind], None
+
+
+def _stat_names(rule: str, kind: str, shape: tuple[int, ...]) -> set[str]:
+    tree, prefix = _keyed_tree(kind, rule, shape)
+    takes = (
+        "stacked" in inspect.signature(inspect.unwrap(getattr(clipax, rule))).parameters
+    )
+    tx = optax.with_extra_args_support(
+        KEYED_RULES[rule](**({"stacked": prefix} if takes and prefix else {}))
+    )
+    layers = (2,) if prefix else ()
+    logits = jax.tree.map(  # (layers..., batch, heads) at each module
+        lambda m: jnp.full((*layers, 2, shape[-2]), 5.0),
+        tree,
+        is_leaf=lambda n: isinstance(n, dict) and "q" in n,
+    )
+    _, state = tx.update(tree, tx.init(tree), tree, max_logits=logits)
+    return {key.rsplit("/", 1)[-1] for key in clipax.metrics(state)}
+
+
+@pytest.mark.parametrize("rule", list(KEYED_RULES))
+@given(
+    kind=st.sampled_from(TREE_KINDS[1:]),
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
+)
+@settings(max_examples=4, deadline=None)
+def test_the_keys_reported_do_not_depend_on_the_trees_shape(
+    rule: str, kind: str, shape: tuple[int, ...]
+) -> None:
+    """The names `metrics` reports for a rule's state are the same for a bare
+    array, a one-leaf dict, nested dicts and a stacked leaf."""
+    want = _stat_names(rule, TREE_KINDS[0], shape)
+    assert _stat_names(rule, kind, shape) == want
+    assert want, rule  # a rule with a state reports something
