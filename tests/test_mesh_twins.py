@@ -16,15 +16,19 @@ spelling of the step.
   `logit_specs=`), `axis_name=` (over an FSDP layout), or neither, with
   `check_vma` on and off.
 
-Each transformation runs three steps (init, then updates of three sizes) and
-returns its updates, its state and `clipax.metrics` of the state; each tree
-function its result. Every output, on every device that holds a copy, must
-equal the same run on one device (rtol 1e-5), and `clipax.metrics` of the
-state the step returns must equal one device's; or the call raises clipax's
-own ValueError or TypeError (raised in clipax, not in JAX). Where the user
-said the layout (jit, `specs=`, `axis_name=` over FSDP), or JAX's types prove
-every leaf whole (`check_vma`, a replicated layout), or the rule reads no
-layout (`clip`), a refusal fails too. The one-device runs must clip.
+Each transformation runs four steps (init, then updates scaled by BASE, each
+tensor or layer of a stack also x8 at the second or third step or never, so
+that tensors act at different steps) and returns its updates, its state and
+`clipax.metrics` of the state; each tree function its result. Every output,
+on every device that holds a copy, must equal the same run on one device
+(rtol 1e-5), and `clipax.metrics` of the state the step returns must equal one
+device's; or the call raises clipax's own ValueError or TypeError (raised in
+clipax, not in JAX). Where the user said the layout (jit, `specs=`,
+`axis_name=` over FSDP), or JAX's types prove every leaf whole (`check_vma`, a
+replicated layout), or the rule reads no layout (`clip`), a refusal fails too.
+The one-device run must act: its updates differ from those of the same recipe
+with the rule's action off (`OFF`: a wrapper's inner optimizer, a clip's
+identity), and `reset_on_spike` restarts layers at two different steps.
 
 CI runs 2 derandomized cases per rule and the fixed examples (under a
 minute with `-n 2`); a random search of 18 cases per rule (324 in all, about 6
@@ -72,7 +76,11 @@ AXES = ("x", "y", "z")
 MESHES = ((8,), (2, 4), (4, 2), (2, 2, 2))
 SPELLINGS = ("jit", "specs", "axis_name", "none")
 LAYOUTS = ("split", "fsdp", "replicated")
-SCALES = (1.0, 0.5, 4.0)
+# Each step scales the gradients by BASE; each tensor (each layer of a
+# stack) t is also SPIKE times larger at step SPIKE_AT[t % 3] (or never), so
+# that tensors act at different steps.
+BASE = (1.0, 0.5, 1.0, 0.5)
+SPIKE, SPIKE_AT = 8.0, (1, 2, None)
 RTOL, ATOL = 1e-5, 1e-6
 TAU = 10.0
 LAYERS = 4  # of a stacked leaf (2 for an attention module)
@@ -133,7 +141,7 @@ RULES: dict[str, tuple[str, Any, Any]] = {
         "tx",
         clipax.reset_on_spike,
         lambda kw: clipax.reset_on_spike(
-            optax.adam(0.1), b1=0.9, b2=0.999, warmup_steps=1, z_threshold=0.5, **kw
+            optax.adam(0.1), b1=0.9, b2=0.999, warmup_steps=1, z_threshold=2.0, **kw
         ),
     ),
     "adaptive_grad_clip": (
@@ -169,6 +177,10 @@ RULES: dict[str, tuple[str, Any, Any]] = {
     ),
 }
 ELEMENTWISE = ("clip", "clip_by_value")
+# What a wrapper's recipe is with its action off: its inner optimizer (a
+# clip's is the identity).
+OFF = {r: lambda: optax.adam(0.1) for r in ("stable_spam", "skip_spikes")}
+OFF["reset_on_spike"] = OFF["stable_spam"]
 
 
 def takes(rule: str) -> set[str]:
@@ -369,25 +381,46 @@ def _values(case: Case) -> dict[str, np.ndarray]:
     return out
 
 
-def _step(case: Case, kw: dict[str, Any], logs: bool) -> Any:
-    """The function of (grads, params, logits) each spelling runs."""
-    kind, _, make = RULES[case.rule]
-    rule = make(kw)
-    if kind in ("fn", "batched"):
-        return lambda grads, params, logits: rule(grads)
+def _steps(case: Case, values: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """`values` at each step: the gradients scaled by BASE and by each
+    tensor's spike (a stack's layers numbered after the leaves before it)."""
+    out: list[dict[str, Any]] = [dict(values) for _ in BASE]
+    t = 0
+    for name, x in case.inputs:
+        if not name.startswith("grads/"):
+            continue
+        axis = x.layers[0] if x.layers else None
+        count = x.shape[axis] if axis is not None else 1
+        for step, base in enumerate(BASE):
+            factor = np.full(count, base, np.float32)
+            for layer in range(count):
+                if SPIKE_AT[(t + layer) % 3] == step:
+                    factor[layer] *= SPIKE
+            shape = [count if d == axis else 1 for d in range(len(x.shape))]
+            out[step][name] = values[name] * factor.reshape(shape)
+        t += count
+    return out
 
-    def run(grads: Any, params: Any, logits: Any) -> Any:
-        params = params or grads
+
+def _step(case: Case, kw: dict[str, Any], logs: bool, off: bool = False) -> Any:
+    """The function of (each step's grads, params, logits) each spelling
+    runs; with `off`, the rule's recipe with its action off (`OFF`)."""
+    kind, _, make = RULES[case.rule]
+    rule = OFF.get(case.rule, optax.identity)() if off else make(kw)
+    if kind in ("fn", "batched"):
+        return lambda grads, params, logits: rule(grads[0])
+
+    def run(grads: list[Any], params: Any, logits: Any) -> Any:
+        params = params or grads[0]
         state = rule.init(params)
         updates = []
-        for s in SCALES:
+        for g, s in zip(grads, BASE, strict=True):
             extra = (
                 {"max_logits": jax.tree.map(lambda x, s=s: x * s, logits)}
-                if logits
+                if logits and not off
                 else {}
             )
-            scaled = jax.tree.map(lambda g, s=s: g * s, grads)
-            u, state = rule.update(scaled, state, params, **extra)
+            u, state = rule.update(g, state, params, **extra)
             updates.append(u)
         return updates, state, clipax.metrics(state) if logs else {}
 
@@ -438,21 +471,19 @@ def _run(case: Case, kw: dict[str, Any], logs: bool) -> tuple[Any, Any]:
     """(one device's outputs, each device's copies of the mesh run's outputs:
     every array with a leading axis over its copies)."""
     values = _values(case)
-    trees = [case.tree(part, values) or None for part in ("grads", "params", "logits")]
+    trees = _trees(case, values)
     alone = {"stacked": case.stacked} if case.stacked is not None else {}
     want = jax.block_until_ready(jax.jit(_step(case, alone, logs))(*trees))
     names = AXES[: len(case.mesh)]
     kind = AxisType.Explicit if case.explicit else AxisType.Auto
     mesh = jax.make_mesh(case.mesh, names, axis_types=(kind,) * len(names))
     specs = {name: P(*x.spec) for name, x in case.inputs}
-    placed = {
-        name: jax.device_put(v, NamedSharding(mesh, specs[name]))
-        for name, v in values.items()
-    }
-    args = [case.tree(part, placed) or None for part in ("grads", "params", "logits")]
-    in_specs = tuple(
-        case.tree(part, specs) or None for part in ("grads", "params", "logits")
+    args = jax.tree.map(
+        lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec)),
+        trees,
+        _trees(case, specs),
     )
+    in_specs = tuple(_trees(case, specs))
     step = _step(case, kw, logs)
     context = jax.set_mesh(mesh) if case.explicit else contextlib.nullcontext()
     with context:
@@ -482,6 +513,22 @@ def _run(case: Case, kw: dict[str, Any], logs: bool) -> tuple[Any, Any]:
     return want, jax.tree.map(np.asarray, got)
 
 
+def _trees(case: Case, values: dict[str, Any]) -> list[Any]:
+    """The step's arguments from `values` (arrays, or their specs): each
+    step's gradients, the params, the logits."""
+    per_step = (
+        _steps(case, values)
+        if not isinstance(next(iter(values.values())), P)
+        else [values] * len(BASE)
+    )
+    grads = [case.tree("grads", v) for v in per_step]
+    return [
+        grads,
+        case.tree("params", values) or None,
+        case.tree("logits", values) or None,
+    ]
+
+
 def _check(want: Any, got: Any, case: Case) -> None:
     flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
     flat_got = jax.tree.leaves(got)
@@ -502,14 +549,15 @@ def _logged(state: Any) -> dict[str, np.ndarray]:
 
 
 def _clips(case: Case, want: Any) -> None:
-    """The one-device run changed the gradients (a mesh that clips nothing
-    tests nothing)."""
-    if RULES[case.rule][0] in ("fn",) or case.rule == "skip_spikes":
+    """The one-device run acted: its outputs differ from those of the recipe
+    with the rule's action off (a mesh that clips nothing tests nothing); a
+    rule that resets layers restarted them at different steps."""
+    kind = RULES[case.rule][0]
+    if kind == "fn":
         return
-    values = _values(case)
-    grads = case.tree("grads", values)
-    if RULES[case.rule][0] == "batched":
-        summed = jax.tree.map(lambda g: g.sum(0), grads)
+    trees = _trees(case, _values(case))
+    if kind == "batched":
+        summed = jax.tree.map(lambda g: g.sum(0), trees[0][0])
         assert not all(
             np.allclose(a, b)
             for a, b in zip(
@@ -517,15 +565,15 @@ def _clips(case: Case, want: Any) -> None:
             )
         ), case
         return
-    if case.rule == "qk_clip":
-        updates = want[0][0]["attn"]["query"]
-        assert not np.allclose(updates, grads["attn"]["query"]), case
-        return
+    off = jax.jit(_step(case, {}, logs=False, off=True))(*trees)[0]
     assert any(
-        not np.allclose(u, g * s)
-        for step, s in zip(want[0], SCALES, strict=True)
-        for u, g in zip(jax.tree.leaves(step), jax.tree.leaves(grads), strict=True)
+        not np.allclose(u, o)
+        for step, step_off in zip(want[0], off, strict=True)
+        for u, o in zip(jax.tree.leaves(step), jax.tree.leaves(step_off), strict=True)
     ), case
+    if case.rule == "reset_on_spike":  # restarted at two steps, or never
+        ages = np.concatenate([np.ravel(a) for a in jax.tree.leaves(want[1].age)])
+        assert len(set(ages.tolist())) == 3, (ages, case)
 
 
 def must_work(case: Case) -> bool:
