@@ -56,14 +56,15 @@ def qk_clip(
     logit_specs: Any = None,
     gqa: str = "head",
 ) -> optax.GradientTransformationExtraArgs:
-    """Rescales the query and key weights of every attention head whose largest
-    logit exceeded `threshold`, so that it is at most `threshold`.
+    """Rescales the query and key weights of heads whose logit passed `threshold`.
 
     QK-Clip (Kimi K2's MuonClip), last in a chain: a head whose largest logit
     `S` is above `threshold` has its query weights scaled by `eta**alpha`, its
     key weights by `eta**(1 - alpha)`, `eta = threshold / S` (in GQA a group's
     hottest head; no weight grows). `max_logits=` mirrors `params` down to each
-    module (a node holding a `query` and a `key`), heads last (docs/qk-clip.md).
+    module (a node holding a `query` and a `key`), heads last; the state's
+    `clipped_heads` counts the query heads whose weights were scaled (every
+    head of a group, with `gqa="group"`; docs/qk-clip.md).
 
     Args:
       threshold: the largest logit allowed (tau), a finite real > 0 or an array.
@@ -73,8 +74,7 @@ def qk_clip(
       head_axis: the heads' axis of each projection leaf, within one layer.
       rope_dim: MLA: a query head's trailing entries, scaled by `eta` whole.
       key_dim: MLA: None, or a key head's leading entries, scaled (fused k/v).
-      gqa: `"head"`, or `"group"`: each group by its hottest head (Megatron-LM);
-        `clipped_heads` then counts every query head of a clipped group.
+      gqa: `"head"`, or `"group"`: each group by its hottest head (Megatron-LM).
       stacked: None, or a prefix of the params (docs/stacked-layers.md).
       axis_name: FSDP: the mesh axes splitting every leaf and the batch.
       specs: inside `shard_map`, the `in_specs` of the updates.
@@ -84,9 +84,8 @@ def qk_clip(
       A `GradientTransformationExtraArgs` whose state is a `QKClipState`.
 
     Raises:
-      ValueError: if an argument, `params` or `max_logits` is missing or not
-        accepted, or a layout it needs is not given (inside `shard_map`).
-      TypeError: if a leaf or parameter is not a float array.
+      ValueError: if an argument, `params`, `max_logits` or a layout is wrong.
+      TypeError: if a leaf, parameter or logit is not a float array.
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -18,7 +18,7 @@ from clipax import _checks, _engine, _leaves, _skip, _states
 MOMENTS = {"both": ("mu", "nu"), "first": ("mu",)}
 DECAYS = {"mu": "b1", "nu": "b2"}
 NAME = "reset_on_spike"
-AUTO: Literal["auto"] = "auto"  # a decay read from `inner`'s state (`inject_hyperparams`)
+AUTO: Literal["auto"] = "auto"  # a decay read from `inject_hyperparams`
 HYPERPARAMS = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
@@ -178,12 +178,11 @@ def reset_on_spike(
     """Resets the optimizer's moments of each layer whose gradient (or update)
     norm spikes, and only that layer's; the step goes on.
 
-    Each tensor's (each layer's, with `stacked`) norm is tested against an EMA
-    of its own past norms as `skip_spikes` tests the global norm. Where it
-    spikes, `inner`'s moments there (`mu`, and `nu`) are multiplied by
-    `factor`; a reset moment restarts its bias correction, as if the optimizer
-    started there. A layer whose gradient is NaN or inf takes no step, and its
-    moments restart from zero (docs/skipping-and-logging.md).
+    Each tensor's (layer's) norm is tested against an EMA of its own past
+    norms as `skip_spikes` tests the global norm. Where it spikes, `inner`'s
+    moments there are multiplied by `factor`, a reset one restarting its bias
+    correction; a NaN or inf layer takes no step and restarts from zero
+    (docs/skipping-and-logging.md).
 
     Args:
       inner: the optimizer, e.g. `optax.adamw(1e-3)`, given `update`'s extras.
@@ -205,8 +204,7 @@ def reset_on_spike(
 
     Raises:
       ValueError: if an argument is not accepted, `inner`'s state holds no
-        such moment shaped like the params (naming what it holds), or a
-        moment's decay is neither given nor held (naming `b1` or `b2`).
+        moment (naming what it holds), or one's decay is missing (naming it).
       TypeError: if `inner` is not a transformation, or a leaf not a float.
 
     Example:
@@ -218,8 +216,6 @@ def reset_on_spike(
       >>> state = tx.init({"a": jnp.zeros(1), "b": jnp.zeros(1)})
       >>> for g in [1.0, 1.1, 0.9, 1.0, 60.0]:  # a spike in "a" at the last step
       ...     _, state = tx.update({"a": jnp.array([g]), "b": jnp.ones(1)}, state)
-      >>> state.spiked
-      {'a': Array(True, dtype=bool), 'b': Array(False, dtype=bool)}
       >>> updates, _ = tx.update({"a": jnp.ones(1), "b": jnp.ones(1)}, state)
       >>> updates["a"]  # Adam's first step again, bias-corrected: -lr * sign(g)
       Array([-0.1], dtype=float32)
