@@ -735,6 +735,39 @@ def summary(
     return lines
 
 
+def per_seed(
+    runs: dict[tuple[str, float, int], dict[str, Any]], bound: float
+) -> list[str]:
+    """One line per run name and learning rate, seed by seed: the held-out
+    loss (`*` where the run diverged), the loss spikes and, where measured,
+    the mean steps to recover; then the median and range of the held-out
+    loss over the seeds and the runs that diverged. At the rates where runs
+    diverge a run is chaotic: which seed diverges changes with the last bit
+    of a float, so between machines."""
+    seeds = sorted({seed for _, _, seed in runs})
+    lines = [
+        "per seed " + " ".join(map(str, seeds)) + ": held-out loss (* diverged)/"
+        "spikes[/steps to recover]; the median and range of the held-out loss"
+    ]
+    for name, lr in dict.fromkeys((name, lr) for name, lr, _ in runs):
+        group = [runs[name, lr, seed] for seed in seeds]
+        cells = []
+        for run in group:
+            cell = f"{run['held_out']:.3f}{'*' if diverged(run, bound) else ''}"
+            cell += f"/{run['spikes']}"
+            if "recoveries" in run:
+                cell += f"/{np.mean(run['recoveries']) if run['recoveries'] else 0:.1f}"
+            cells.append(cell)
+        held = np.array([run["held_out"] for run in group])
+        lines.append(
+            f"  {name} @ {lr:g}: {' '.join(cells)} | median "
+            f"{np.nanmedian(held):.3f}, range {np.nanmin(held):.3f} to "
+            f"{np.nanmax(held):.3f}, diverged "
+            f"{sum(diverged(run, bound) for run in group)}/{len(group)}"
+        )
+    return lines
+
+
 def pick(
     runs: dict[tuple[str, float, int], dict[str, Any]], lrs: list[float]
 ) -> tuple[float, int, int]:
@@ -1126,7 +1159,7 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
         f"after the last step; spikes and diverged as in the rules study (bound "
         f"{bound:.3f})"
     )
-    for line in qk_summary(runs, bound):
+    for line in qk_summary(runs, bound) + per_seed(runs, bound):
         tqdm.write(line)
     shown = qk_plot(runs, names, lrs, args.tau, bound, output)
     tqdm.write(
@@ -1200,6 +1233,8 @@ def reset_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
                 f"{skipped:7.1f} {held:9.3f} "
                 f"{sum(diverged(run, bound) for run in group):6d}/{len(group)}"
             )
+    for line in per_seed(runs, bound):
+        tqdm.write(line)
     styles = {name: {} for name in names}
     fig, ax = plt.subplots(figsize=(8, 5))
     held_out_sweep(ax, runs, {n: lrs[n.split("/")[0]] for n in names}, styles, bound)
@@ -1309,7 +1344,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         "means over the seeds (held-out: over the finite ones); clipped and "
         "skipped: steps per run; diverged: runs of all"
     )
-    for line in summary(runs, lrs, bound):
+    for line in summary(runs, lrs, bound) + per_seed(runs, bound):
         tqdm.write(line)
     lr, seed, at = plot(runs, lrs, bound)
     if any(run["spikes"] for (rule, _, _), run in runs.items() if rule == "none"):
