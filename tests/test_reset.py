@@ -389,30 +389,32 @@ def test_compiles_once() -> None:
         (
             lambda: clipax.reset_on_spike(optax.adam(1.0)).init({"w": jnp.ones(2)}),
             ValueError,
-            r"bias correction of `inner`'s `mu`, which needs its decay: pass `b1=`",
+            r"^`reset_on_spike` restarts the bias correction of `inner`'s `mu` with its "
+            r"decay: pass `b1=` \(the optimizer's\), `b1=None` where it has none",
         ),
         (
             lambda: clipax.reset_on_spike(optax.adam(1.0), b1=0.9).init(
                 {"w": jnp.ones(2)}
             ),
             ValueError,
-            r"bias correction of `inner`'s `nu`, which needs its decay: pass `b2=`",
+            r"^`reset_on_spike` restarts the bias correction of `inner`'s `nu` with its "
+            r"decay: pass `b2=`",
         ),
         (
             lambda: clipax.reset_on_spike(
                 optax.inject_hyperparams(optax.adam)(learning_rate=1.0), b2=0.95
             ).init({"w": jnp.ones(2)}),
             ValueError,
-            r"with the `b2` that `inner`'s state holds \(`optax.inject_hyperparams`\)"
-            r"; `b2`=0.95 would be a second one",
+            r"`nu` with the `b2` its `optax.inject_hyperparams` state holds; "
+            r"`b2`=0.95 would be a second one: leave it out\.$",
         ),
         (
             lambda: clipax.reset_on_spike(optax.rmsprop(1.0), b2=0.9).init(
                 {"w": jnp.ones(2)}
             ),
             ValueError,
-            r"`b2`=0.9 restarts the bias correction of `inner`'s `nu`, but the state "
-            r"holding it keeps no `count`",
+            r"`nu` by `b2`=0.9, but the state holding it keeps no `count`: it has "
+            r"none\. Pass `b2=None`\.$",
         ),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -49,10 +50,36 @@ class ResetOnSpikeState(NamedTuple):
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
+# One tensor's per-layer entries of the state's per-tensor fields.
+Layer = collections.namedtuple(
+    "Layer", "norms spiked resets age norm_count norm_mean norm_variance"
+)
+
+
+def next_layer(
+    before: Layer,
+    norm: jax.Array,
+    lost: jax.Array,
+    factor: Any,
+    spike: Any,
+    record: Any,
+) -> Layer:
+    """A tensor's entries after a step whose watched `norm` it is: spiked
+    where the norm (or, `lost`, its gradient) is NaN or inf or a spike; the
+    norm recorded where it is neither; restarted (age 0) where its moments
+    were reset, not shrunk by `factor`."""
+    history = (before.norm_count, before.norm_mean, before.norm_variance, None)
+    spiked = lost | spike(norm, history)
+    stats = record(norm, history, jnp.isfinite(norm) & ~spiked)[:3]
+    fresh = spiked & (lost | (factor == 0))
+    age = jnp.where(fresh, 0, optax.safe_int32_increment(before.age))
+    return Layer(norm, spiked, _engine.count_if(spiked, before.resets), age, *stats)
+
+
 class Moment(NamedTuple):
-    """A moment found in `inner`'s state: its name (`mu`, `nu`), whether the
-    state node holding it keeps a `count` (a bias correction), and the
-    hyperparameters of the `inject_hyperparams` state around it (or None)."""
+    """A moment of `inner`'s state: its name (`mu`, `nu`), whether its state
+    node keeps a `count` (a bias correction), and the hyperparameters of the
+    `inject_hyperparams` state around it (or None)."""
 
     name: str
     counted: bool
@@ -62,86 +89,70 @@ class Moment(NamedTuple):
 def each_moment(
     state: Any,
     names: Sequence[str],
-    paths: dict[_leaves.KeyPath, _leaves.Leaf],
-    fn: Callable[[Any, Moment], Any],
+    at: dict[_leaves.KeyPath, _leaves.Leaf],
+    fn: Callable[[jax.Array, _leaves.Leaf, Moment], jax.Array],
     hyperparams: Any = None,
 ) -> Any:
-    """`state` with `fn(tree, moment)` in place of each moment: a field named
-    in `names` of a state node (a NamedTuple) holding a tree of arrays shaped
-    as the leaves at its paths (optax's `mu`, `nu`; a masked one holds some).
-    A moment is not searched further, so a parameter named `mu` is no moment.
-    """
+    """`state` with `fn(x, leaf, moment)` for each array `x` of a moment: a
+    field named in `names` of a state node (a NamedTuple) holding arrays
+    shaped as the leaves at their paths in `at` (optax's `mu`, `nu`; a masked
+    one holds some), each kept in its wrapper and dtype. A moment is not
+    searched further: a parameter named `mu` is no moment."""
     if isinstance(state, HYPERPARAMS):
         hyperparams = state.hyperparams
-    fields = getattr(state, "_fields", None)
     children, treedef = _states.children(state)
     if not children or _leaves.is_wrapper(state):
         return state
-    out = []
+    fields, out = getattr(state, "_fields", ()), []
     for key, child in children:
         name = _states.key_name(key)
-        if fields is not None and name in names and _holds_leaves(child, paths):
-            out.append(fn(child, Moment(name, "count" in fields, hyperparams)))
+        flat = jax.tree_util.tree_flatten_with_path(child, is_leaf=_leaves.is_wrapper)
+        if (
+            name in names
+            and name in fields
+            and flat[0]
+            and all(
+                tuple(p) in at and jnp.shape(_leaves.unwrap(x)) == at[tuple(p)].x.shape
+                for p, x in flat[0]
+            )
+        ):
+            moment = Moment(name, "count" in fields, hyperparams)
+            mapped = [
+                jax.tree.map(
+                    lambda x, p=p, m=moment: fn(x, at[tuple(p)], m).astype(x.dtype), x
+                )
+                for p, x in flat[0]
+            ]
+            out.append(jax.tree.unflatten(flat[1], mapped))
         else:
-            out.append(each_moment(child, names, paths, fn, hyperparams))
+            out.append(each_moment(child, names, at, fn, hyperparams))
     return treedef.unflatten(out)
 
 
-def _holds_leaves(tree: Any, paths: dict[_leaves.KeyPath, _leaves.Leaf]) -> bool:
-    """Whether `tree` holds arrays, each at a leaf's path and of its shape."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_leaves.is_wrapper)[0]
-    return bool(flat) and all(
-        tuple(p) in paths and jnp.shape(_leaves.unwrap(x)) == paths[tuple(p)].x.shape
-        for p, x in flat
-    )
-
-
-def map_moment(tree: Any, fn: Callable[[jax.Array, _leaves.KeyPath], Any]) -> Any:
-    """A moment with `fn(array, its leaf's path)` for each array, kept in
-    its wrapper (a haliax `NamedArray`) and its dtype."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, node: jax.tree.map(
-            lambda x: fn(x, tuple(path)).astype(x.dtype), node
-        ),
-        tree,
-        is_leaf=_leaves.is_wrapper,
-    )
-
-
 def decay(moment: Moment, given: Any) -> Any:
-    """The decay that restarts `moment`'s bias correction: `given` (the
-    argument `b1` or `b2`), or with `"auto"` the `inject_hyperparams` value
-    around it; None for none.
+    """The decay that restarts `moment`'s bias correction: `given` (`b1` or
+    `b2`), or for `"auto"` the `inject_hyperparams` value around it; None for
+    none.
 
     Raises:
       ValueError: naming the argument, where a counted moment's decay is
-        neither given nor held, where one is given and also held, or where
-        one is given for a moment no count corrects.
+        neither given nor held, is given beside a held one, or is given for
+        a moment that no count corrects.
     """
-    arg = DECAYS[moment.name]
-    held = (moment.hyperparams or {}).get(arg)
-    where = (
-        f"`reset_on_spike` restarts the bias correction of `inner`'s `{moment.name}`"
-    )
+    arg, held = DECAYS[moment.name], (moment.hyperparams or {}).get(DECAYS[moment.name])
+    what = f"`reset_on_spike` restarts the bias correction of `inner`'s `{moment.name}`"
     if given == AUTO and held is None and moment.counted:
-        raise ValueError(
-            f"{where}, which needs its decay: pass `{arg}=` (the optimizer's own), "
-            f"`{arg}=None` where `{moment.name}` has no bias correction (Lion), or "
-            f"build `inner` with `optax.inject_hyperparams` so that it is read there."
-        )
-    if given not in (AUTO, None) and held is not None:
-        raise ValueError(
-            f"{where} with the `{arg}` that `inner`'s state holds "
-            f"(`optax.inject_hyperparams`); `{arg}`={given} would be a second one: "
-            "leave it out."
-        )
-    if given not in (AUTO, None) and not moment.counted:
-        raise ValueError(
-            f"`{arg}`={given} restarts the bias correction of `inner`'s "
-            f"`{moment.name}`, but the state holding it keeps no `count`: it has "
-            f"none. Pass `{arg}=None`."
-        )
-    return held if given == AUTO else given
+        why = f"with its decay: pass `{arg}=` (the optimizer's), `{arg}=None` where "
+        why += "it has none (Lion), or build `inner` with `optax.inject_hyperparams`"
+    elif given not in (AUTO, None) and held is not None:
+        why = f"with the `{arg}` its `optax.inject_hyperparams` state holds; "
+        why += f"`{arg}`={given} would be a second one: leave it out"
+    elif given not in (AUTO, None) and not moment.counted:
+        why = f"by `{arg}`={given}, but the state holding it keeps no `count`: it "
+        why += f"has none. Pass `{arg}=None`"
+    else:
+        return held if given == AUTO else given
+    raise ValueError(f"{what} {why}.")
 
 
 def restarted(
@@ -238,21 +249,21 @@ def reset_on_spike(
 
     def init_fn(params: optax.Params) -> ResetOnSpikeState:
         leaves, inner_state = checked(params), inner.init(params)
-        found: list[Moment] = []
+        found = set()
 
-        def check(tree: Any, moment: Moment) -> Any:
+        def check(x: jax.Array, _: Any, moment: Moment) -> jax.Array:
             decay(moment, given[moment.name])
-            found.append(moment)
-            return tree
+            found.add(moment.name)
+            return x
 
         each_moment(inner_state, names, {leaf.path: leaf for leaf in leaves}, check)
         if not found:
             flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
-            held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})
+            held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})[:12]
             raise ValueError(
                 f"`reset_on_spike` resets `inner`'s moments {list(names)}, trees "
                 f"shaped like the params in its state; it holds none: its keys are "
-                f"{held[:12]}."
+                f"{held}."
             )
         dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
         kinds = (dtype, bool, i32, i32, i32, dtype, dtype)  # norms ... norm_variance
@@ -269,40 +280,23 @@ def reset_on_spike(
     ) -> tuple[optax.Updates, ResetOnSpikeState]:
         leaves = checked(updates)
         at = {leaf.path: leaf for leaf in leaves}
-        age, resets, *history = (
-            dict(
-                zip(at, _leaves.check_state(NAME, leaves, t, state.stacks), strict=True)
-            )
-            for t in (
-                state.age,
-                state.resets,
-                state.norm_count,
-                state.norm_mean,
-                state.norm_variance,
-            )
+        fields = (
+            _leaves.check_state(NAME, leaves, getattr(state, f), state.stacks)
+            for f in Layer._fields
         )
+        before = dict(zip(at, map(Layer._make, zip(*fields, strict=True)), strict=True))
         norms = dict(zip(at, _engine.layer_norms(leaves), strict=True))
-        # A layer whose gradient is NaN or inf steps with a zero gradient, so
-        # that nothing NaN enters `inner` (whose clip would spread it).
+        # A NaN or inf layer steps with a zero gradient, so that nothing NaN
+        # enters `inner` (a clip inside it would spread it), and restarts.
         lost = {p: ~jnp.isfinite(n) for p, n in norms.items()}
         grads = {p: jnp.where(at[p].broadcast(lost[p]), 0, at[p].x) for p in at}
 
-        def restart(tree: Any, moment: Moment) -> Any:
-            b = decay(moment, given[moment.name])
+        def restart(x: jax.Array, leaf: _leaves.Leaf, moment: Moment) -> jax.Array:
+            b, g = decay(moment, given[moment.name]), grads[leaf.path]
             if b is None:
-                return tree
-            square = moment.name == "nu"  # Adam's second moment is of g**2
-            return map_moment(
-                tree,
-                lambda x, p: restarted(
-                    x,
-                    jnp.square(jnp.abs(grads[p])) if square else grads[p],
-                    b,
-                    age[p],
-                    state.count,
-                    at[p],
-                ),
-            )
+                return x
+            g = jnp.square(jnp.abs(g)) if moment.name == "nu" else g
+            return restarted(x, g, b, before[leaf.path].age, state.count, leaf)
 
         inner_state = each_moment(state.inner_state, names, at, restart)
         new_updates, inner_state = inner.update(
@@ -312,44 +306,24 @@ def reset_on_spike(
         if watch == "update":
             norms = dict(zip(at, _engine.layer_norms(out), strict=True))
             lost = {p: lost[p] | ~jnp.isfinite(n) for p, n in norms.items()}
-        spiked = {
-            p: lost[p] | spike(n, (*(h[p] for h in history), None))
-            for p, n in norms.items()
+        after = {
+            p: next_layer(before[p], norms[p], lost[p], factor, spike, recorded)
+            for p in at
         }
 
-        def reset(x: jax.Array, p: _leaves.KeyPath) -> jax.Array:
-            """A spiking layer's moment times `factor`; zero where it was lost."""
-            kept = jnp.where(at[p].broadcast(lost[p]), 0, x * factor)
-            return jnp.where(at[p].broadcast(spiked[p]), kept, x)
+        def reset(x: jax.Array, leaf: _leaves.Leaf, _: Moment) -> jax.Array:
+            """`x` times `factor` where the layer spiked; zero where it was lost."""
+            shrunk = jnp.where(leaf.broadcast(lost[leaf.path]), 0, x * factor)
+            return jnp.where(leaf.broadcast(after[leaf.path].spiked), shrunk, x)
 
-        inner_state = each_moment(
-            inner_state, names, at, lambda tree, _: map_moment(tree, reset)
-        )
-        kept = [
-            recorded(n, (*(h[p] for h in history), None), jnp.isfinite(n) & ~spiked[p])
-            for p, n in norms.items()
-        ]
-        restart_now = {p: spiked[p] & (lost[p] | (factor == 0)) for p in at}
-        stats = [
-            norms.values(),
-            spiked.values(),
-            [_engine.count_if(spiked[p], resets[p]) for p in at],
-            [
-                jnp.where(restart_now[p], 0, optax.safe_int32_increment(age[p]))
-                for p in at
-            ],
-            *zip(*(k[:3] for k in kept), strict=True),
-        ]
+        inner_state = each_moment(inner_state, names, at, reset)
         new_updates = out.rebuild(
             [jnp.where(leaf.broadcast(lost[leaf.path]), 0, leaf.x) for leaf in out]
         )
+        count = optax.safe_int32_increment(state.count)
+        stats = map(leaves.stats, zip(*after.values(), strict=True))
         return new_updates, ResetOnSpikeState._make(
-            [
-                inner_state,
-                optax.safe_int32_increment(state.count),
-                *map(leaves.stats, stats),
-                state.stacks,
-            ]
+            [inner_state, count, *stats, state.stacks]
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
