@@ -389,16 +389,16 @@ def test_compiles_once() -> None:
         (
             lambda: clipax.reset_on_spike(optax.adam(1.0)).init({"w": jnp.ones(2)}),
             ValueError,
-            r"^`reset_on_spike` restarts the bias correction of `inner`'s `mu` with its "
-            r"decay: pass `b1=` \(the optimizer's\), `b1=None` where it has none",
+            r"^`reset_on_spike` restarts the bias correction of `inner`'s `mu` with "
+            r"its decay: pass `b1=` \(the optimizer's\), `b1=None` where it has none",
         ),
         (
             lambda: clipax.reset_on_spike(optax.adam(1.0), b1=0.9).init(
                 {"w": jnp.ones(2)}
             ),
             ValueError,
-            r"^`reset_on_spike` restarts the bias correction of `inner`'s `nu` with its "
-            r"decay: pass `b2=`",
+            r"^`reset_on_spike` restarts the bias correction of `inner`'s `nu` with "
+            r"its decay: pass `b2=`",
         ),
         (
             lambda: clipax.reset_on_spike(
