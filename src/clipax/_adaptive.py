@@ -11,8 +11,8 @@ statistics updated (`state._replace`); `global_rule` does the rest once: the
 norm (with `specs` / `axis_name` for sharded leaves), `count`, `norm` and
 `threshold`, the NaN rule (a NaN or inf norm keeps the statistics and the
 threshold, its updates come out NaN, and the step is not counted), and the
-clip, TensorFlow's `x * t / max(norm, t)`. A rolling window of recent values
-(`pushed`, `window_moments`) serves ZClip and `skip_spikes`.
+clip, TensorFlow's `x * t / max(norm, t)`. ZClip's rolling window is
+`_statistics`'.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _leaves, _states
+from clipax import _checks, _engine, _leaves, _states, _statistics
 
 EPS = 1e-6  # added to the standard deviation in ZClip's z-score, as its authors do
 # ZClip's modes by clipax's names and by the authors' package's.
@@ -100,26 +100,6 @@ def same_shapes(fn_name: str, state: dict[str, Any], fresh: dict[str, Any]) -> N
                 f"{np.shape(want)}: a state built under another "
                 f"{SHAPED_BY[fn_name]}. `init` it again with this configuration."
             )
-
-
-# A rolling window: the last `len(buffer)` of the `count` values recorded.
-
-
-def pushed(buffer: jax.Array, count: jax.Array, x: jax.Array, take: Any) -> jax.Array:
-    """`buffer` with `x` recorded (in slot `count % len(buffer)`) where `take`."""
-    return jnp.where(take, buffer.at[count % buffer.shape[0]].set(x), buffer)
-
-
-def window_moments(
-    buffer: jax.Array, count: jax.Array, ddof: int
-) -> tuple[jax.Array, jax.Array]:
-    """The mean and variance (divisor n - `ddof`) of the n = min(`count`,
-    `len(buffer)`) values recorded; 0 for none."""
-    valid = jnp.arange(buffer.shape[0]) < count
-    n = jnp.sum(valid).astype(buffer.dtype)
-    mean = jnp.sum(jnp.where(valid, buffer, 0)) / jnp.maximum(n, 1)
-    squares = jnp.sum(jnp.where(valid, jnp.square(buffer - mean), 0))
-    return mean, squares / jnp.maximum(n - ddof, 1)
 
 
 @_states.declare("autoclip")
@@ -286,8 +266,8 @@ def zclip_rule(
             limit = limit * jnp.asarray(clip_factor, dtype)
     seen = norm if raw else jnp.where(over, limit, norm)
     if warmup is not None:
-        buffer = pushed(buffer, state.count, seen, True)
-        new_mean, new_var = window_moments(buffer, state.count + 1, 0)
+        buffer = _statistics.pushed(buffer, state.count, seen, True)
+        new_mean, new_var = _statistics.window_moments(buffer, state.count + 1, 0)
     else:  # the warmup records its norms; its last step starts the EMA
         a = jnp.asarray(alpha, dtype)
         slot = jnp.minimum(state.count, buffer.shape[0] - 1)

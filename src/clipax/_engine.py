@@ -53,9 +53,10 @@ def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(big), big * jnp.sqrt(1 + jnp.square(ratio)))
 
 
-def _upcast(x: jax.Array) -> jax.Array:
-    """`x` in its `accum_dtype` (complex where `x` is)."""
-    acc = accum_dtype(x.dtype)
+def upcast(x: jax.Array, like: Any = None) -> jax.Array:
+    """`x` in the `accum_dtype` of `like` (of its own dtype by default), the
+    one upcast before any accumulation: complex where `x` is."""
+    acc = accum_dtype(x.dtype if like is None else like)
     if jnp.iscomplexobj(x):
         return x.astype(jnp.result_type(acc, jnp.complex64))
     return x.astype(acc)
@@ -64,7 +65,7 @@ def _upcast(x: jax.Array) -> jax.Array:
 def powers(x: jax.Array, p: float) -> jax.Array:
     """|x|**p element by element (|x| for p = inf), in float32 or wider; a
     complex leaf counts its modulus, taken without overflow."""
-    x, is_complex = _upcast(x), jnp.iscomplexobj(x)
+    x, is_complex = upcast(x), jnp.iscomplexobj(x)
     if p == 2:
         return jnp.square(x.real) + jnp.square(x.imag) if is_complex else jnp.square(x)
     magnitude = _hypot(x.real, x.imag) if is_complex else jnp.abs(x)
@@ -286,11 +287,10 @@ def partial_sums(
     buckets, alone = _buckets(arrays)
 
     def prepared(x: jax.Array) -> jax.Array:
-        wide = jnp.result_type(x.dtype, dtype)
         if scale is None:
-            return _upcast_barrier(x, wide).astype(wide)
+            return upcast(_upcast_barrier(x, dtype), like=dtype)
         x, factor = _scale_barrier(x, scale)
-        return _scale_parts(x.astype(wide), factor.astype(dtype))
+        return _scale_parts(upcast(x, like=dtype), factor.astype(dtype))
 
     parts = [power_sum(prepared(arrays[i]), p) for i in alone]
     for bucket in buckets:
@@ -432,7 +432,7 @@ def _two_pass_norm(
         # With y = x s (s constant) the norm is R(y) / s and its tangent R'(y) dx.
         scale = jax.lax.stop_gradient(passes(primals[0])[1])
         one = jnp.ones_like(scale)
-        ys = [_scale_parts(_upcast(x), scale) for x in primals[0]]
+        ys = [_scale_parts(upcast(x), scale) for x in primals[0]]
         dots = [t.astype(y.dtype) for t, y in zip(tangents[0], ys, strict=True)]
         value, slope = jax.jvp(lambda ys: safe_root(summed(ys, one), p), (ys,), (dots,))
         return value / scale, slope
@@ -506,7 +506,7 @@ def norms(
                 out.append(_power_sum(x, q, axes, keep[i]))
                 continue
             x, scale = _scale_barrier(x, scales[i])
-            out.append(power_sum(_scale_parts(_upcast(x), scale), q, axes, keep[i]))
+            out.append(power_sum(_scale_parts(upcast(x), scale), q, axes, keep[i]))
         split = [leaf.split(axes) for leaf, axes in zip(items, reduced, strict=True)]
         op = jax.lax.pmax if q == math.inf else jax.lax.psum
         return complete(out, split, [leaf.split() for leaf in items], op)
@@ -595,20 +595,11 @@ def total_norm(
     return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
 
 
-def block(values: jax.Array, dim: int, names: MeshAxes, size: int) -> jax.Array:
-    """This device's block of `values` along `dim`, split in blocks of `size`
-    over the mesh axes `names` inside `shard_map` (`gathered`'s inverse);
-    `values` where it is one block."""
-    if values.shape[dim] == size:
-        return values
-    start = jax.lax.axis_index(names) * size
-    return jax.lax.dynamic_slice_in_dim(values, start, size, dim)
-
-
 def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
     """`values`, split along `dim` over the mesh axes `names` (inside
-    `shard_map`), whole on every device: each device's block put in its place
-    in zeros, then summed, which `shard_map` knows to be replicated."""
+    `shard_map`), whole on every device (`Leaf.own`'s inverse): each device's
+    block put in its place in zeros, then summed, which `shard_map` knows to
+    be replicated."""
     local = values.shape[dim]
     count = int(jax.lax.psum(1, names))  # the number of blocks, known when traced
     shape = (*values.shape[:dim], local * count, *values.shape[dim + 1 :])

@@ -12,11 +12,10 @@ None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -55,6 +54,13 @@ def path_keys(path: KeyPath) -> list[str]:
         str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
         for k in path
     ]
+
+
+def child_of(path: KeyPath, root: KeyPath) -> str | None:
+    """The name of the child of `root` that `path` lies under (None where it
+    lies under none): the one place a path is read as below another."""
+    below = len(path) > len(root) and path[: len(root)] == root
+    return path_keys(path[len(root) : len(root) + 1])[0] if below else None
 
 
 def is_empty(x: Any) -> bool:
@@ -210,6 +216,17 @@ class Leaf:
         shape = [n if d in axes else 1 for d, n in enumerate(self.x.shape)]
         return jnp.transpose(values, np.argsort(axes).tolist()).reshape(shape)
 
+    def own(self, whole: jax.Array, axes: Sequence[int]) -> jax.Array:
+        """`whole`, whose dims are the whole tensor's `axes` of this leaf, cut
+        to this device's block of them inside `shard_map` (where the spec
+        splits them); as it is elsewhere."""
+        for i, d in enumerate(axes):
+            names, size = (self.dims[d] if self.dims else ()), self.x.shape[d]
+            if whole.shape[i] != size:
+                start = jax.lax.axis_index(names) * size
+                whole = jax.lax.dynamic_slice_in_dim(whole, start, size, i)
+        return whole
+
     def split(self, axes: Sequence[int] | None = None) -> MeshAxes:
         """The mesh axes that split any of `axes` (all of its axes for None).
 
@@ -278,6 +295,17 @@ class Leaves(list[Leaf]):
         return jax.tree.unflatten(
             self.treedef, [wrap(leaf, v) for leaf, v in zip(self, values, strict=True)]
         )
+
+    @property
+    def records(self) -> Any:
+        """These records in the tree's containers (a wrapper's place holding
+        its leaf's): what `jax.tree.map` reads beside per-tensor statistics."""
+        return jax.tree.unflatten(self.treedef, list(self))
+
+    def read(self, fn_name: str, tree: Any, stacks: Stacks | None = None) -> Any:
+        """A per-tensor field of a state, checked to be these leaves'
+        (`check_state`), as `stats` builds one."""
+        return self.stats(check_state(fn_name, self, tree, stacks))
 
     def stats(self, values: Iterable[Any]) -> Any:
         """A per-tensor statistic: the tree with `values` (one per leaf, shaped
@@ -430,15 +458,34 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec()))
 
 
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """`leaves` with one rule's layout arguments, checked once where the rule
+    is made (`reader`): the one way a rule reads a tree."""
+
+    fn_name: str
+    stacked: Any = None
+    specs: Any = None
+    axis_name: MeshAxes = ()
+
+    def __call__(self, tree: Any, **kwargs: Any) -> Leaves:
+        return leaves(
+            tree,
+            self.fn_name,
+            stacked=self.stacked,
+            specs=self.specs,
+            axis_name=self.axis_name,
+            **kwargs,
+        )
+
+
 def reader(
     fn_name: str, *, stacked: Any = None, specs: Any = None, axis_name: Any = None
-) -> Callable[..., Leaves]:
-    """`leaves` with one rule's arguments, `axis_name` checked (against
-    `stacked`) once, where the rule is made."""
+) -> Reader:
+    """A rule's `Reader`, `axis_name` normalised (and checked against
+    `stacked`) here."""
     _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    return functools.partial(
-        leaves, fn_name=fn_name, stacked=stacked, specs=specs, axis_name=names
-    )
+    return Reader(fn_name, stacked, specs, names)
 
 
 def entries(
