@@ -292,6 +292,38 @@ def zclip_rule(
     return threshold, state._replace(mean=new_mean, variance=new_var, buffer=buffer)
 
 
+def limit_options(mode: str, clip_option: str, clip_factor: Any) -> tuple[str, Any]:
+    """ZClip's limit, checked: its mode by clipax's name, and `clip_factor`,
+    each refused where it would mean nothing in the mode given.
+
+    Raises:
+      ValueError: naming the argument and the mode.
+    """
+    rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
+    _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    if rule_mode == "std":
+        _checks.unused(
+            clip_option,
+            "adaptive_scaling",
+            '`clip_option` chooses the limit of mode "adaptive"; mode "std" clips '
+            "to mean + z_threshold * std and takes only the default "
+            'clip_option="adaptive_scaling"; got {value} with mode="std" (the '
+            'zclip package ignores clip_option in its "percentile" mode: leave '
+            "it out).",
+        )
+    clip_factor = _checks.positive("clip_factor", clip_factor)
+    if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
+        _checks.unused(
+            clip_factor,
+            1.0,
+            '`clip_factor` scales the limit of mode "adaptive" with '
+            'clip_option="adaptive_scaling", and would change nothing here; got '
+            f"clip_factor={{value}} with mode={mode!r} and "
+            f"clip_option={clip_option!r}.",
+        )
+    return rule_mode, clip_factor
+
+
 @_checks.peer_names({"z_thresh": "z_threshold"})
 def zclip(
     *,
@@ -358,28 +390,7 @@ def zclip(
     alpha = _checks.unit("alpha", alpha)
     z_threshold = _checks.positive("z_threshold", z_threshold)
     warmup = _checks.integer("warmup_steps", warmup_steps)
-    rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
-    _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    if rule_mode == "std":
-        _checks.unused(
-            clip_option,
-            "adaptive_scaling",
-            '`clip_option` chooses the limit of mode "adaptive"; mode "std" clips '
-            "to mean + z_threshold * std and takes only the default "
-            'clip_option="adaptive_scaling"; got {value} with mode="std" (the '
-            'zclip package ignores clip_option in its "percentile" mode: leave '
-            "it out).",
-        )
-    clip_factor = _checks.positive("clip_factor", clip_factor)
-    if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
-        _checks.unused(
-            clip_factor,
-            1.0,
-            '`clip_factor` scales the limit of mode "adaptive" with '
-            'clip_option="adaptive_scaling", and would change nothing here; got '
-            f"clip_factor={{value}} with mode={mode!r} and "
-            f"clip_option={clip_option!r}.",
-        )
+    rule_mode, clip_factor = limit_options(mode, clip_option, clip_factor)
     skip = _checks.flag("skip_update_on_spike", skip_update_on_spike)
     size = None if window is None else _checks.integer("window", window, minimum=2)
     if size is not None and skip:

@@ -67,17 +67,31 @@ def is_empty(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
+def imported(module: str) -> Any:
+    """The `module` where the program has imported it, else None. clipax
+    depends on jax, optax and chex alone (DESIGN.md, "Dependencies"): a
+    container of Flax, NNX or haliax exists only where its library was
+    imported, so that is where clipax looks for one, never importing it."""
+    return sys.modules.get(module)
+
+
 def is_variable(node: Any) -> bool:
-    """Whether `node` is a Flax NNX variable (only where the program has
-    imported NNX: no variable exists otherwise)."""
-    nnx = sys.modules.get("flax.nnx")
+    """Whether `node` is a Flax NNX variable."""
+    nnx = imported("flax.nnx")
     return nnx is not None and isinstance(node, nnx.Variable)
 
 
 def is_named(node: Any) -> bool:
-    """Whether `node` is a haliax `NamedArray` (only where haliax is imported)."""
-    hax = sys.modules.get("haliax")
+    """Whether `node` is a haliax `NamedArray`."""
+    hax = imported("haliax")
     return hax is not None and isinstance(node, hax.NamedArray)
+
+
+def is_box(node: Any) -> bool:
+    """Whether `node` is a Flax linen box (`nn.Partitioned`,
+    `nn.LogicallyPartitioned`): an array with names for its axes, which
+    `stacked_prefix` reads; a pytree node elsewhere."""
+    return hasattr(node, "unbox") and hasattr(node, "names")
 
 
 def is_wrapper(node: Any) -> bool:
@@ -91,8 +105,10 @@ def is_wrapper(node: Any) -> bool:
 
 
 def unwrap(node: Any) -> Any:
-    """A wrapper's array (an NNX variable's value: `get_value` from Flax
-    0.12, `.value` before); any other node as it is."""
+    """A wrapper's or a linen box's array (an NNX variable's value:
+    `get_value` from Flax 0.12, `.value` before); any other node as it is."""
+    if is_box(node):
+        return node.unbox()
     if is_named(node):
         return node.array
     if not is_variable(node):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from clipax._checks import is_traced, is_transformation, short_repr
 from clipax._leaves import (
     Stacks,
     flat_keys,
+    imported,
     is_wrapper,
     manual_axes,
     path_str,
@@ -298,7 +298,7 @@ def metrics(opt_state: Any) -> Metrics:
       >>> float(logs["zclip/norm"]), float(logs["clip_by_global_norm/clip_factor"])
       (5.0, 0.2)
     """
-    nnx = sys.modules.get("flax.nnx")
+    nnx = imported("flax.nnx")
     if nnx is not None and isinstance(opt_state, nnx.Optimizer):
         opt_state = opt_state.opt_state
     _check_state(opt_state)

@@ -246,6 +246,13 @@ def clip_module(
     return first.own(s, layers), first.own(clipped, layers)
 
 
+def zero_stats(found: list[Module]) -> tuple[dict, dict]:
+    """Each module's largest logits and clipped heads before any step."""
+    layers = {m.path: (m.query[0].layers, m.heads[0]) for m in found}
+    peaks = {p: jnp.zeros((*n, h), jnp.float32) for p, (n, h) in layers.items()}
+    return peaks, {p: jnp.zeros(n, jnp.int32) for p, (n, _) in layers.items()}
+
+
 def state_of(
     tree: Any, found: list[Module], config: Config, peaks: dict, counts: dict
 ) -> QKClipState:
@@ -339,12 +346,7 @@ def qk_clip(
 
     def init_fn(params: optax.Params) -> QKClipState:
         found = modules(params, checked(params), config)
-        layers = {m.path: m.query[0].layers for m in found}
-        peaks = {
-            m.path: jnp.zeros((*layers[m.path], m.heads[0]), jnp.float32) for m in found
-        }
-        counts = {p: jnp.zeros(n, jnp.int32) for p, n in layers.items()}
-        return state_of(params, found, config, peaks, counts)
+        return state_of(params, found, config, *zero_stats(found))
 
     def update_fn(
         updates: optax.Updates,
