@@ -340,8 +340,9 @@ def _second_scale(total: jax.Array, p: float) -> jax.Array:
 
 
 def _from_peak(norm: jax.Array, peak: jax.Array) -> jax.Array:
-    """`norm` with the peak's rules: 0 for a zero peak, the peak where it is
-    inf or NaN."""
+    """`norm` with the peak's rules, the one place a NaN or inf entry
+    overrides a norm taken scaled by its peak: 0 for a zero peak, the peak
+    where it is inf or NaN."""
     norm = jnp.where(peak == 0, jnp.zeros_like(norm), norm)
     return jnp.where(jnp.isfinite(peak), norm, peak)
 
@@ -567,7 +568,7 @@ def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
     scale = peak_scale(peak)
     values, factor = _scale_barrier(values, scale)
     total = safe_root(jnp.sum(powers(values * factor, p), axis=0), p) / scale
-    return jnp.where(jnp.isfinite(peak), total, jnp.sum(values, axis=0))
+    return _from_peak(total, peak)
 
 
 def total_norm(
@@ -592,7 +593,7 @@ def total_norm(
     scale = peak_scale(peak)
     sums = complete([jnp.sum(jnp.square(v * scale)) for v in parts], axes)
     total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
-    return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
+    return _from_peak(total, peak), broken == 0
 
 
 def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:

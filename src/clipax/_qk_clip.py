@@ -121,8 +121,9 @@ def module_logits(m: Module, records: _leaves.Leaves, config: Config) -> jax.Arr
       ValueError: naming the module, if no array or several are found below
         its path, or their shape does not fit its layers and heads.
     """
-    keys = _leaves.path_keys(m.path)
-    below = [r for r in records if _leaves.path_keys(r.path)[: len(keys)] == keys]
+    # Compared as names: the logits' containers need not be the params' own.
+    keys = tuple(_leaves.path_keys(m.path))
+    below = [r for r in records if keys in _leaves.prefixes(_leaves.path_keys(r.path))]
     homes = {"/".join(_leaves.path_keys(_unsown(r.path))) for r in below}
     if len(homes) != 1:
         found = homes or {"/".join(_leaves.path_keys(_unsown(r.path))) for r in records}
@@ -225,7 +226,7 @@ def read_logits(max_logits: Any, config: Config) -> _leaves.Leaves:
         )
     sown = jax.tree.map(_leaves.unwrap, max_logits, is_leaf=_leaves.is_wrapper)
     return _leaves.leaves(
-        sown, "qk_clip", kind="logits", specs=config.logit_specs, said="logit_specs"
+        sown, "qk_clip", kind="logits", specs=config.logit_specs, argument="logit_specs"
     )
 
 

@@ -125,12 +125,11 @@ def each_moment(
             )
         ):
             moment = Moment(name, "count" in fields, hyperparams)
-            mapped = [
-                jax.tree.map(
-                    lambda x, p=p, m=moment: fn(x, at[tuple(p)], m).astype(x.dtype), x
-                )
-                for p, x in flat[0]
-            ]
+            mapped = []
+            for p, node in flat[0]:
+                x = _leaves.unwrap(node)
+                new = fn(x, at[tuple(p)], moment).astype(x.dtype)
+                mapped.append(_leaves.rewrap(node, new) if node is not x else new)
             out.append(jax.tree.unflatten(flat[1], mapped))
         else:
             out.append(each_moment(child, names, at, fn, hyperparams))

@@ -18,6 +18,7 @@ from clipax._leaves import (
     is_variable,
     is_wrapper,
     path_keys,
+    prefixes,
     unwrap,
 )
 
@@ -69,8 +70,8 @@ def _stack_roots(
     (axes, layers)."""
     members: dict[tuple[str, ...], list[int]] = {}
     for i, k in enumerate(keys):
-        for end in range(len(k) + 1):
-            members.setdefault(k[:end], []).append(i)
+        for node in prefixes(k):
+            members.setdefault(node, []).append(i)
 
     @functools.cache
     def holds(node: tuple[str, ...], sig: tuple[tuple[int, ...], tuple]) -> bool:
@@ -89,8 +90,8 @@ def _stack_roots(
     roots: dict[tuple[str, ...], Any] = {}
     for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
         if sig is not None and sig[0]:
-            ends = range(min(1, len(k)), len(k) + 1)
-            root = next(k[:end] for end in ends if holds(k[:end], sig))
+            nodes = prefixes(k)[::-1][min(1, len(k)) :]  # below the top first
+            root = next(node for node in nodes if holds(node, sig))
             roots[root], out[i] = sig, (_entry(sig[0]), len(root))
     return out, roots
 

@@ -93,8 +93,7 @@ def clip_leaves(
     clipped, peaks = [], []
     for leaf, n in zip(leaves, norms, strict=True):
         clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limit(n.dtype))))
-        slices = tuple(d for d in range(n.ndim) if d not in leaf.layer_axes)
-        peak = jnp.max(n, axis=slices, initial=0.0) if axes is not None else n
+        peak = jnp.max(n, axis=leaf.inner, initial=0.0) if axes is not None else n
         peaks.append(peak.reshape(leaf.layers))
     if axes is not None:
         # Slices of one layer may sit on other devices: a pmax over the axes
