@@ -16,7 +16,9 @@ from clipax import _checks, _engine, _leaves, _states
 
 
 @_states.declare(
-    "adagc", per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"}
+    "adagc",
+    per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"},
+    clip=("norms", "thresholds"),
 )
 class AdaGCState(NamedTuple):
     """State of `adagc`: each tensor's EMA and what the last update saw."""

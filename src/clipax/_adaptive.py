@@ -102,7 +102,7 @@ def same_shapes(fn_name: str, state: dict[str, Any], fresh: dict[str, Any]) -> N
             )
 
 
-@_states.declare("autoclip")
+@_states.declare("autoclip", clip=("norm", "threshold"))
 class AutoClipState(NamedTuple):
     """State of `autoclip`: the recent norms and what the last update saw."""
 
@@ -215,7 +215,7 @@ def autoclip(
     return global_rule("autoclip", init, rule, p=p, specs=specs, axis_name=axis_name)
 
 
-@_states.declare("zclip")
+@_states.declare("zclip", clip=("norm", "threshold"))
 class ZClipState(NamedTuple):
     """State of `zclip`: the norm statistics and what the last update saw."""
 

@@ -467,7 +467,12 @@ def _looped_passes(
     return total, scale
 
 
-# Norms over some axes of each leaf.
+# Norms over some axes of each leaf. The per-tensor helpers here and in the
+# rules (`_adagc._tensor_step`, `_agc._clip_units`, `_block_rms._rms_factor`,
+# `tree._norm._clip_factor`) are jitted at module level: inside a traced step
+# a jitted call of a shape seen before reuses its trace, so the step's trace
+# and compile time grow with the distinct shapes, not the tensors (compile
+# time counts as run time does; benchmarks/RESULTS.md, "What limits each case").
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -598,14 +603,9 @@ def total_norm(
 
 def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
     """`values`, split along `dim` over the mesh axes `names` (inside
-    `shard_map`), whole on every device (`Leaf.own`'s inverse): each device's
-    block put in its place in zeros, then summed, which `shard_map` knows to
-    be replicated."""
-    local = values.shape[dim]
-    count = int(jax.lax.psum(1, names))  # the number of blocks, known when traced
-    shape = (*values.shape[:dim], local * count, *values.shape[dim + 1 :])
-    start = jax.lax.axis_index(names) * local
-    placed = jax.lax.dynamic_update_slice_in_dim(
-        jnp.zeros(shape, values.dtype), values, start, dim
-    )
-    return jax.lax.psum(placed, names)
+    `shard_map`), whole on every device (`Leaf.own`'s inverse), typed as the
+    same on each, as a state's `out_specs` need it: JAX 0.10 spells that
+    `all_gather(..., to="invarying")`, older ones `all_gather_invariant`."""
+    if hasattr(jax.lax, "all_gather_invariant"):
+        return jax.lax.all_gather_invariant(values, names, axis=dim, tiled=True)
+    return jax.lax.all_gather(values, names, axis=dim, tiled=True, to="invarying")

@@ -739,8 +739,8 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
     """
     if params is None:
         raise ValueError(
-            f"`{fn_name}` clips each update against the norm of its parameter, so "
-            "`update` needs `params`; got params=None. Call "
+            f"`{fn_name}` reads the parameter beside each update, so `update` "
+            "needs `params`; got params=None. Call "
             "`tx.update(updates, state, params)`."
         )
     treedef = jax.tree.structure(updates, is_leaf=is_empty)
