@@ -185,14 +185,21 @@ def head_scales(
     return q_scale, k_scale, eta
 
 
+class Tail(NamedTuple):
+    """Part of each head, on the axis after the heads, scaled apart: the
+    trailing `size` entries (`trailing`), or the entries from `size` on."""
+
+    scale: jax.Array
+    size: int
+    trailing: bool
+
+
 def rescaled(
-    leaf: Leaf, w: Any, per_head: jax.Array, config: Config, tail: Any = None
+    leaf: Leaf, w: Any, per_head: jax.Array, config: Config, tail: Tail | None
 ) -> Any:
     """`leaf`'s update such that the parameter `w` plus it is `w` plus the
-    incoming update scaled by `per_head`; with `tail` (`(scale, size)`), a
-    head's entries on the axis after the heads from `size` on (before
-    `-size`, for a negative one) scaled by `scale` instead. Where the scale
-    is 1, the incoming update itself."""
+    incoming update scaled by `per_head` (by `tail.scale` in a head's tail);
+    where the scale is 1, the incoming update itself."""
     axes = head_axes(leaf, config)
     if tail is not None:
         inner = leaf.inner
@@ -203,9 +210,10 @@ def rescaled(
                 f"shape {tuple(leaf.x.shape)} has none."
             )
         axes.append(inner[inner.index(axes[-1]) + 1])
-        (other, cut), size = tail, leaf.size(axes[-1:])
-        inside = jnp.arange(size) < (cut if cut >= 0 else size + cut)
-        per_head = jnp.where(inside, per_head[..., None], other[..., None])
+        size = leaf.size(axes[-1:])
+        start = size - tail.size if tail.trailing else tail.size
+        in_tail = jnp.arange(size) >= start
+        per_head = jnp.where(in_tail, tail.scale[..., None], per_head[..., None])
     scale = leaf.broadcast(leaf.own(per_head, axes), axes)
     w = _engine.upcast(jnp.asarray(w), leaf.x.dtype)
     clipped = (w + _engine.upcast(leaf.x, leaf.x.dtype)) * scale - w
@@ -237,8 +245,10 @@ def clip_module(
     logits `s`, their parameters `weights` (by path); its logged peaks and
     clipped heads, this device's block of them."""
     q_scale, k_scale, eta = head_scales(s, m.heads, config)
-    rope = (eta, -config.rope_dim) if config.rope_dim else None
-    fused = None if config.key_dim is None else (jnp.ones_like(k_scale), config.key_dim)
+    rope = Tail(eta, config.rope_dim, True) if config.rope_dim else None
+    fused = None  # a fused key-value head: its values, after `key_dim`, unscaled
+    if config.key_dim is not None:
+        fused = Tail(jnp.ones_like(k_scale), config.key_dim, False)
     for part, scale, tail in ((m.query, q_scale, rope), (m.key, k_scale, fused)):
         for leaf in part:
             out[leaf.path] = rescaled(leaf, weights[leaf.path], scale, config, tail)

@@ -203,10 +203,12 @@ def initial(config: Config, params: optax.Params) -> ResetOnSpikeState:
             f"{held}."
         )
     dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
-    kinds = (dtype, bool, i32, i32, i32, dtype, dtype)  # norms ... norm_variance
-    stats = [leaves.full(0, kind) for kind in kinds]  # each its own arrays
-    return ResetOnSpikeState._make(
-        [inner_state, jnp.zeros((), i32), *stats, leaves.stacks]
+    kinds = Layer(dtype, bool, i32, i32, i32, dtype, dtype)
+    return ResetOnSpikeState(  # each statistic its own arrays: a state may be donated
+        inner_state=inner_state,
+        count=jnp.zeros((), i32),
+        **{f: leaves.full(0, kind) for f, kind in kinds._asdict().items()},
+        stacks=leaves.stacks,
     )
 
 
@@ -255,10 +257,12 @@ def step(
     new_updates = out.rebuild(
         [jnp.where(leaf.broadcast(lost[leaf.path]), 0, leaf.x) for leaf in out]
     )
-    count = optax.safe_int32_increment(state.count)
-    stats = map(leaves.stats, zip(*after.values(), strict=True))
-    return new_updates, ResetOnSpikeState._make(
-        [inner_state, count, *stats, state.stacks]
+    stats = Layer._make(map(leaves.stats, zip(*after.values(), strict=True)))
+    return new_updates, ResetOnSpikeState(
+        inner_state=inner_state,
+        count=optax.safe_int32_increment(state.count),
+        **stats._asdict(),
+        stacks=state.stacks,
     )
 
 

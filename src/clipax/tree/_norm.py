@@ -93,7 +93,8 @@ def clip_leaves(
     clipped, peaks = [], []
     for leaf, n in zip(leaves, norms, strict=True):
         clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limit(n.dtype))))
-        peak = jnp.max(n, axis=leaf.inner, initial=0.0) if axes is not None else n
+        slices = leaf.inner if n.ndim else ()  # a scalar: every axis reduced
+        peak = jnp.max(n, axis=slices, initial=0.0) if axes is not None else n
         peaks.append(peak.reshape(leaf.layers))
     if axes is not None:
         # Slices of one layer may sit on other devices: a pmax over the axes
