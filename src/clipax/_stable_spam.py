@@ -64,11 +64,11 @@ def ada_gn(
     leaf: _leaves.Leaf, g: Any, n: jax.Array, m: jax.Array, v: jax.Array, at: Any
 ) -> jax.Array:
     """AdaGN: `g` (of norm `n`) rescaled to norm `m_hat / (sqrt(v_hat) + eps)`
-    (`at`: the bias corrections' `(1 - gamma1**t, 1 - gamma2**t, eps)`); NaN
-    where `n` is; in the leaf's dtype."""
-    m_fix, v_fix, eps = at
+    (`at`: `(gamma1, gamma2, t, eps)`, the bias corrections taken here, as
+    each tensor's own operations); NaN where `n` is; in the leaf's dtype."""
+    g1, g2, steps, eps = at
     usable = jnp.isfinite(n) & (n > 0)
-    target = (m / m_fix) / (jnp.sqrt(v / v_fix) + eps)
+    target = (m / (1 - g1**steps)) / (jnp.sqrt(v / (1 - g2**steps)) + eps)
     factor = jnp.where(usable, target / jnp.where(usable, n, 1), 1)
     factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
     return (g.x * leaf.broadcast(factor)).astype(leaf.x.dtype)
@@ -103,7 +103,7 @@ def step(
     usable = jax.tree.map(lambda n: jnp.isfinite(n) & (n > 0), norms)
     m_norm = jax.tree.map(lambda m, n, u: lerp(m, n, g1, u), m_norm, norms, usable)
     v_norm = jax.tree.map(lambda v, n, u: lerp(v, n**2, g2, u), v_norm, norms, usable)
-    at = (1 - g1**steps, 1 - g2**steps, config.eps)
+    at = (g1, g2, steps, config.eps)
     out = jax.tree.map(
         lambda leaf, g, n, m, v: ada_gn(leaf, g, n, m, v, at),
         leaves.records,
