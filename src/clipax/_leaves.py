@@ -574,9 +574,10 @@ def _place(
     out = []
     for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
+        shown = f"P({', '.join(map(repr, spec))})"  # as every JAX version prints it
         if len(spec) > leaf.x.ndim:
             raise ValueError(
-                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
+                f"`{said}` gives {shown} to the leaf at {where}, which "
                 f"has rank {leaf.x.ndim}: a PartitionSpec may not be longer than the "
                 "rank."
             )
@@ -594,7 +595,7 @@ def _place(
         unsaid = set(varying(leaf.x) if typed else ()) - {*axis_name, *sum(dims, ())}
         if unsaid:
             raise ValueError(
-                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
+                f"`{said}` gives {shown} to the leaf at {where}, which "
                 f"JAX's types show varying over the mesh axes {sorted(unsaid)} of this "
                 "shard_map: split there, or different on each device, where "
                 f"`{said}` says it is the same. Pass the `in_specs` you gave "
