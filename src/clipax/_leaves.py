@@ -652,9 +652,10 @@ def _place(
     out = []
     for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
+        shown = f"P({', '.join(map(repr, spec))})"  # as every JAX version prints it
         if len(spec) > leaf.x.ndim:
             raise ValueError(
-                f"`{argument}` gives {PartitionSpec(*spec)} to the leaf at {where}, "
+                f"`{argument}` gives {shown} to the leaf at {where}, "
                 f"which has rank {leaf.x.ndim}: a PartitionSpec may not be longer "
                 "than the rank."
             )
@@ -672,7 +673,7 @@ def _place(
         unsaid = set(varying(leaf.x) if typed else ()) - {*axis_name, *sum(dims, ())}
         if unsaid:
             raise ValueError(
-                f"`{argument}` gives {PartitionSpec(*spec)} to the leaf at {where}, "
+                f"`{argument}` gives {shown} to the leaf at {where}, "
                 "which JAX's types show varying over the mesh axes "
                 f"{sorted(unsaid)} of this shard_map: split there, or different on "
                 "each device, where "

@@ -27,14 +27,16 @@ Entry = Any  # an int (leading layer axes) or a LayerAxes
 
 def _names(node: Any) -> tuple[Any, ...] | None:
     """A leaf's logical axis names: a Flax linen box's (`nn.LogicallyPartitioned`,
-    `nn.Partitioned`), an NNX variable's (`out_sharding` metadata; `sharding`
-    before Flax 0.12) or a haliax `NamedArray`'s; None where it has none."""
+    `nn.Partitioned`), an NNX variable's (`out_sharding` metadata;
+    `sharding_names` in Flax 0.12.0, `sharding` before) or a haliax
+    `NamedArray`'s; None where it has none."""
     if is_box(node):
         return tuple(node.names)
     if is_named(node):
         return tuple(node.axis_names)
     meta = node.get_metadata() if is_variable(node) else {}
-    names = meta.get("out_sharding", meta.get("sharding"))
+    key = next((k for k in ("out_sharding", "sharding_names") if k in meta), "sharding")
+    names = meta.get(key)
     return tuple(names) if isinstance(names, (tuple, list)) else None
 
 
