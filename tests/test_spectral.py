@@ -1,0 +1,428 @@
+"""`clip_by_spectral_norm`: SPECTRA's soft clip of each update matrix's
+singular values, sigma / sqrt(1 + sigma**2 / c**2), by Newton-Schulz or SVD."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers as Dims
+
+import clipax
+from tests.helpers import DATA, assert_compiles_once
+
+METHODS = ["newton_schulz", "svd"]
+
+
+def exact(x, c):
+    """The soft clip of each matrix x[..., :, :] by float64 NumPy SVD."""
+    u, s, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+    return (u * (s / np.sqrt(1 + (s / c) ** 2))[..., None, :]) @ vt
+
+
+def matrix(shape, sigma_max, seed=0, kind="gauss"):
+    """A random float64 matrix with largest singular value `sigma_max`: a
+    Gaussian one, one whose spectrum falls over four decades ("decades"), or
+    a Gaussian bulk below 1 plus one large rank-one spike ("spike")."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape)
+    if kind == "decades":
+        u, _ = np.linalg.qr(rng.standard_normal((shape[0], min(shape))))
+        v, _ = np.linalg.qr(rng.standard_normal((shape[1], min(shape))))
+        x = (u * np.logspace(0, -4, min(shape))) @ v.T
+    if kind == "spike":
+        a, b = (rng.standard_normal(n) for n in shape)
+        x = x / np.linalg.norm(x, 2) + sigma_max * np.outer(a, b) / np.linalg.norm(
+            np.outer(a, b), 2
+        )
+    return x * sigma_max / np.linalg.norm(x, 2)
+
+
+def relative_error(y, want):
+    want = np.asarray(want, np.float64)
+    return np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want)
+
+
+def clipped(tx, updates):
+    return jax.jit(tx.update)(updates, tx.init(updates))
+
+
+# Values.
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(8, 8), (12, 5), (5, 12)], ids=str)
+def test_values_match_the_float64_svd_of_the_formula(method, shape) -> None:
+    c = 0.5
+    ratios = {"above": 50.0, "near": 1.2, "below": 0.3}
+    tree = {k: matrix(shape, r * c, seed=i) for i, (k, r) in enumerate(ratios.items())}
+    y, state = clipped(clipax.clip_by_spectral_norm(c, method=method), tree)
+    chex.assert_trees_all_close(y, {k: exact(x, c) for k, x in tree.items()}, atol=5e-6)
+    assert state.clipped == {k: r > 1 for k, r in ratios.items()}
+    sigma = {k: np.linalg.norm(x, 2) for k, x in tree.items()}
+    rtol = 1e-5 if method == "svd" else 2e-2  # power steps: from below, close
+    chex.assert_trees_all_close(state.sigma_max, sigma, rtol=rtol)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_matrix_of_a_batch_is_clipped_alone(method) -> None:
+    # Axis 0 of a conv-like (batch, in, out) leaf is a batch of matrices; an
+    # attention kernel (embed, heads, head_dim) is one (embed, heads*head_dim).
+    x = np.stack([matrix((6, 4), r, seed=i) for i, r in enumerate((0.2, 3.0, 40.0))])
+    kernel = matrix((6, 12), 20.0, seed=4).reshape(6, 3, 4)
+    dims = {"conv": Dims(1, 2), "attn": Dims(reduction_axis=0, output_axis=(1, 2))}
+    tx = clipax.clip_by_spectral_norm(1.0, method=method, weight_dimension_numbers=dims)
+    y, state = clipped(tx, {"conv": x, "attn": kernel})
+    chex.assert_trees_all_close(y["conv"], exact(x, 1.0), atol=3e-6)
+    want = exact(kernel.reshape(6, 12), 1.0).reshape(6, 3, 4)
+    chex.assert_trees_all_close(y["attn"], want, atol=3e-6)
+    rtol = 1e-5 if method == "svd" else 2e-2  # power steps: from below, close
+    chex.assert_trees_all_close(
+        state.sigma_max, {"conv": 40.0, "attn": 20.0}, rtol=rtol
+    )
+    # The same matrix with its sides swapped in the leaf: the same clip.
+    swapped = Dims(reduction_axis=(2, 1), output_axis=0)
+    tx = clipax.clip_by_spectral_norm(
+        1.0, method=method, weight_dimension_numbers=swapped
+    )
+    y, _ = clipped(tx, kernel.transpose(0, 2, 1))
+    chex.assert_trees_all_close(y, want.transpose(0, 2, 1), atol=3e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_stacked_leaf_equals_the_unrolled_model_layer_by_layer(method) -> None:
+    layers = np.stack(
+        [matrix((5, 7), r, seed=i) for i, r in enumerate((0.5, 2.0, 30.0))]
+    )
+    stack = {"blocks": {"w": layers, "b": np.ones((3, 7))}, "head": matrix((7, 2), 4.0)}
+    unrolled = {
+        "blocks": [{"w": w, "b": np.ones(7)} for w in layers],
+        "head": stack["head"],
+    }
+    tx = clipax.clip_by_spectral_norm(
+        1.0, method=method, stacked={"blocks": 1, "head": 0}
+    )
+    y, state = clipped(tx, stack)
+    twin = clipax.clip_by_spectral_norm(1.0, method=method)
+    y_unrolled, state_unrolled = clipped(twin, unrolled)
+    for i in range(3):
+        chex.assert_trees_all_close(
+            y["blocks"]["w"][i], y_unrolled["blocks"][i]["w"], atol=1e-6
+        )
+    chex.assert_trees_all_equal(y["blocks"]["b"], stack["blocks"]["b"])
+    assert (
+        dict(clipax.metrics(state)).keys()
+        == dict(clipax.metrics(state_unrolled)).keys()
+    )
+    chex.assert_trees_all_close(
+        dict(clipax.metrics(state)), dict(clipax.metrics(state_unrolled))
+    )
+    assert state.sigma_max["blocks"]["w"].shape == (3,)
+
+
+def test_the_step_is_jitted_once() -> None:
+    tx = clipax.clip_by_spectral_norm(1.0, weight_dimension_numbers=Dims(1, 2))
+    x = jnp.asarray(np.stack([matrix((4, 6), 5.0, seed=i) for i in range(2)]))
+
+    def step(x, state):
+        y, state = tx.update(x, state)
+        return 2 * y, state
+
+    assert_compiles_once(step, x, tx.init(x))
+
+
+def test_dtypes_kept_and_computed_in_float32() -> None:
+    x = jnp.asarray(matrix((6, 4), 9.0), jnp.bfloat16)
+    tx = clipax.clip_by_spectral_norm(1.0)
+    y, state = clipped(tx, {"w": x, "step": jnp.arange(3)})  # int leaves pass
+    assert y["w"].dtype == jnp.bfloat16 and state.sigma_max["w"].dtype == jnp.float32
+    want = exact(np.asarray(x, np.float64), 1.0)
+    chex.assert_trees_all_close(
+        np.asarray(y["w"], np.float64), want, rtol=1e-2, atol=1e-2
+    )
+    chex.assert_trees_all_equal(y["step"], jnp.arange(3))
+    with jax.enable_x64(True):
+        y, state = clipped(tx, jnp.asarray(matrix((6, 4), 9.0), jnp.float64))
+        assert y.dtype == state.sigma_max.dtype == jnp.float64
+        chex.assert_trees_all_close(y, exact(matrix((6, 4), 9.0), 1.0), atol=1e-12)
+
+
+# The authors' outputs (tests/data/spectra.json: clip_sigvals run with torch).
+
+
+SPECTRA = json.loads((DATA / "spectra.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", SPECTRA, ids=lambda case: case["name"])
+def test_the_authors_outputs(case) -> None:
+    x = jnp.asarray(case["x"], jnp.float32)
+    dims = Dims(1, 2) if x.ndim == 3 else None  # their batch: axis 0
+
+    def txs():
+        for method, steps in (
+            ("spectra", 5),
+            ("spectra", 10),
+            ("svd", None),
+            ("newton_schulz", None),
+        ):
+            yield clipax.clip_by_spectral_norm(
+                case["c"], method=method, ns_steps=steps, weight_dimension_numbers=dims
+            )
+
+    @jax.jit
+    def run(x):  # one compilation for the four
+        return [tx.update(x, tx.init(x))[0] for tx in txs()]
+
+    want = {
+        key: np.asarray(case[key])
+        for key in ("exact_float64", "float32_ns5", "float32_ns10")
+    }
+    peak = np.abs(want["exact_float64"]).max()
+    ns5, ns10, svd, ours = (np.asarray(y, np.float64) for y in run(x))
+    # Their scaling and their steps: their float32 outputs, to rounding.
+    chex.assert_trees_all_close(ns5, want["float32_ns5"], atol=5e-6 * peak)
+    chex.assert_trees_all_close(ns10, want["float32_ns10"], atol=5e-6 * peak)
+    chex.assert_trees_all_close(svd, want["exact_float64"], atol=2e-6 * peak)
+    chex.assert_trees_all_close(ours, want["exact_float64"], atol=1e-5 * peak)
+
+
+def test_the_default_is_within_one_percent_up_to_ratio_100() -> None:
+    worst = {}
+    txs = [
+        clipax.clip_by_spectral_norm(1.0, method=m)
+        for m in ("newton_schulz", "spectra")
+    ]
+    runs = [(jax.jit(tx.update), tx.init(jnp.zeros((48, 32)))) for tx in txs]
+    for kind in ("gauss", "decades", "spike"):
+        for ratio in (1.0, 10.0, 50.0, 100.0):
+            x = matrix((48, 32), ratio, seed=7, kind=kind)
+            outs = [update(x, state)[0] for update, state in runs]
+            errors = [relative_error(out, exact(x, 1.0)) for out in outs]
+            worst[kind, ratio] = errors
+    assert max(ours for ours, _ in worst.values()) < 1e-2, worst
+    # SPECTRA's iteration at its own 10 steps: off by far more than 1 %.
+    assert max(theirs for _, theirs in worst.values()) > 5e-2, worst
+
+
+# State, metrics, thresholds.
+
+
+def test_state_and_metrics() -> None:
+    w = matrix((4, 3), 6.0)
+    tx = clipax.clip_by_spectral_norm(2.0, method="svd")
+    tree = {"w": w, "b": np.ones(3), "small": matrix((3, 3), 1.0)}
+    state = tx.init(tree)
+    assert state.sigma_max == {"w": 0.0, "b": None, "small": 0.0}
+    _, state = tx.update(tree, state)
+    logs = clipax.metrics(state)
+    assert list(logs) == [
+        "clip_by_spectral_norm/count",
+        "clip_by_spectral_norm/small/sigma_max",
+        "clip_by_spectral_norm/w/sigma_max",
+        "clip_by_spectral_norm/small/clipped",
+        "clip_by_spectral_norm/w/clipped",
+    ]
+    np.testing.assert_allclose(
+        logs["clip_by_spectral_norm/w/sigma_max"], 6.0, rtol=1e-6
+    )
+    assert logs["clip_by_spectral_norm/w/clipped"]
+    assert not logs["clip_by_spectral_norm/small/clipped"]
+    assert logs["clip_by_spectral_norm/count"] == 1
+
+
+def test_sigma_max_by_power_steps_is_close_from_below() -> None:
+    # A Gaussian matrix's top singular values crowd together: the hardest case.
+    x = matrix((96, 64), 3.0, seed=3)
+    _, state = clipped(clipax.clip_by_spectral_norm(1.0), x)
+    assert 0.97 * 3.0 < state.sigma_max <= 3.0 * (1 + 1e-6)
+
+
+def test_infinite_zero_and_nan_thresholds() -> None:
+    x = jnp.asarray(matrix((5, 4), 7.0), jnp.float32)
+    for method in METHODS:
+        same, state = clipped(clipax.clip_by_spectral_norm(np.inf, method=method), x)
+        chex.assert_trees_all_equal(same, x)
+        assert not state.clipped
+        # An array threshold is data: <= 0 gives zeros, NaN gives NaN.
+        for c, want in ((0.0, 0.0), (-1.0, 0.0), (np.nan, np.nan)):
+            tx = clipax.clip_by_spectral_norm(jnp.asarray(c), method=method)
+            chex.assert_trees_all_equal(clipped(tx, x)[0], jnp.full_like(x, want))
+
+
+def test_a_schedule_and_inject_hyperparams() -> None:
+    x = jnp.asarray(matrix((5, 4), 7.0), jnp.float32)
+    schedule = optax.linear_schedule(0.0, 2.0, transition_steps=2)
+    tx = clipax.clip_by_spectral_norm(schedule)
+    injected = optax.inject_hyperparams(clipax.clip_by_spectral_norm)(
+        max_singular_value=schedule
+    )
+    state, inner = tx.init(x), injected.init(x)
+    step, step_injected = jax.jit(tx.update), jax.jit(injected.update)
+    for count, c in enumerate([0.0, 1.0, 2.0, 2.0]):
+        y, state = step(x, state)
+        y_injected, inner = step_injected(x, inner)
+        fixed, _ = clipped(clipax.clip_by_spectral_norm(c if c else jnp.zeros(())), x)
+        chex.assert_trees_all_close(y, fixed, y_injected, atol=1e-6)
+        assert state.count == count + 1
+
+
+def test_a_nan_matrix_gives_nan_and_nothing_else_changes() -> None:
+    x = matrix((4, 4), 5.0)
+    for bad in (np.nan, np.inf):
+        for method in METHODS:
+            broken = x.copy()
+            broken[1, 2] = bad
+            tx = clipax.clip_by_spectral_norm(1.0, method=method)
+            y, state = clipped(tx, {"bad": broken, "good": x})
+            assert np.isnan(y["bad"]).all() and np.isnan(state.sigma_max["bad"])
+            chex.assert_trees_all_close(y["good"], exact(x, 1.0), atol=2e-6)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_match_float64_autodiff_of_the_formula(method) -> None:
+    x = matrix((6, 4), 5.0, seed=1)
+    weights = np.random.default_rng(2).standard_normal((6, 4)).astype(np.float32)
+
+    def reference(x):  # x (I + x^T x / c^2)^(-1/2), c = 1, by eigh
+        eigenvalues, v = jnp.linalg.eigh(jnp.eye(4) + x.T @ x)
+        return jnp.sum(weights * (x @ (v * eigenvalues**-0.5) @ v.T))
+
+    with jax.enable_x64(True):
+        want = np.asarray(jax.grad(reference)(jnp.asarray(x, jnp.float64)))
+    tx = clipax.clip_by_spectral_norm(1.0, method=method)
+    state = tx.init(x)
+    got = jax.grad(lambda x: jnp.sum(weights * tx.update(x, state)[0]))(
+        jnp.asarray(x, jnp.float32)
+    )
+    chex.assert_trees_all_close(got, want, atol=2e-5 * np.abs(want).max())
+
+
+def test_svd_gradients_where_singular_values_repeat() -> None:
+    tx = clipax.clip_by_spectral_norm(1.0, method="svd")
+    state = tx.init(jnp.zeros((3, 3)))
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(tx.update(x, state)[0])))
+    for a in (0.0, 2.0):
+        # At X = a I: Y = a h I, h = (1 + a^2)^(-1/2), and a loss of Y with
+        # gradient C (symmetric) has gradient (h - a^2 h^3) C in X.
+        h = 1 / math.sqrt(1 + a**2)
+        want = (h - a**2 * h**3) * np.cos(a * h * np.eye(3))
+        chex.assert_trees_all_close(grad(a * jnp.eye(3)), want, atol=1e-6)
+
+
+# Bad input.
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"max_singular_value": 0.0},
+            "`max_singular_value` must be a positive scalar (a real number, a NumPy "
+            "or JAX scalar, or a traced value); inf means no clipping; got 0.0.",
+        ),
+        (
+            {"max_singular_value": -2},
+            "`max_singular_value` must be a positive scalar (a real number, a NumPy "
+            "or JAX scalar, or a traced value); inf means no clipping; got -2.",
+        ),
+        (
+            {"max_singular_value": float("nan")},
+            "`max_singular_value` must be a positive scalar (a real number, a NumPy "
+            "or JAX scalar, or a traced value); inf means no clipping; got nan.",
+        ),
+        (
+            {"max_singular_value": [1.0, 2.0]},
+            "`max_singular_value` must be a positive scalar (a real number, a NumPy "
+            "or JAX scalar, or a traced value); inf means no clipping; got an array "
+            "of shape (2,).",
+        ),
+        (
+            {"max_singular_value": 1.0, "method": "qr"},
+            '`method` must be "newton_schulz", "spectra" or "svd"; got \'qr\'.',
+        ),
+        (
+            {"max_singular_value": 1.0, "ns_steps": 0},
+            "`ns_steps` must be an int >= 1; got 0.",
+        ),
+        (
+            {"max_singular_value": 1.0, "method": "svd", "ns_steps": 5},
+            "`ns_steps` means nothing with method='svd'; got 5.",
+        ),
+    ],
+)
+def test_bad_arguments_at_construction(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        clipax.clip_by_spectral_norm(**kwargs)
+
+
+W = {"w": jnp.ones((4, 3))}
+WI = {"w": jnp.ones((4, 3)), "i": jnp.ones((2, 2), jnp.int32)}
+
+
+@pytest.mark.parametrize(
+    "tree, dims, error, message",
+    [
+        (
+            W,
+            Dims(0, 2),
+            ValueError,
+            "`output_axis`=2 is out of range for the leaf at ['w'] with shape "
+            "(4, 3) (rank 2).",
+        ),
+        (
+            W,
+            Dims(0, (1, 0)),
+            ValueError,
+            "`weight_dimension_numbers` gives the leaf at ['w'] with shape (4, 3) "
+            "the reduction axes (0,) and the output axes (1, 0): they must not "
+            "overlap.",
+        ),
+        (
+            WI,
+            {"w": Dims(), "i": Dims()},
+            TypeError,
+            "`clip_by_spectral_norm` clips float matrices; the leaf at ['i'] with "
+            "shape (2, 2) has dtype int32. Cast it, or give it None in "
+            "`weight_dimension_numbers`.",
+        ),
+        (
+            WI,
+            {"w": "2d", "i": None},
+            TypeError,
+            "`weight_dimension_numbers` must be None, a MuonDimensionNumbers, a "
+            "prefix of the updates holding them or None; at ['w'] it holds '2d'.",
+        ),
+    ],
+)
+def test_bad_leaves_name_their_path(tree, dims, error, message) -> None:
+    tx = clipax.clip_by_spectral_norm(1.0, weight_dimension_numbers=dims)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        tx.init(tree)
+
+
+def test_a_function_of_the_params_gives_the_dimension_numbers() -> None:
+    def dims(params):  # Muon's spelling: 3-D kernels batched on axis 0
+        return jax.tree.map(lambda x: Dims(1, 2) if x.ndim == 3 else None, params)
+
+    tree = {"k": np.stack([matrix((3, 3), 1.0), matrix((3, 3), 2.0, seed=1)])}
+    tree["w"] = matrix((3, 3), 9.0)
+    y, state = clipped(
+        clipax.clip_by_spectral_norm(0.5, weight_dimension_numbers=dims), tree
+    )
+    chex.assert_trees_all_close(y["k"], exact(tree["k"], 0.5), atol=2e-6)
+    chex.assert_trees_all_equal(y["w"], jnp.asarray(tree["w"], jnp.float32))
+    assert state.sigma_max["w"] is None
+
+
+def test_another_tree_is_refused() -> None:
+    tx = clipax.clip_by_spectral_norm(1.0)
+    state = tx.init({"w": jnp.ones((3, 2))})
+    with pytest.raises(ValueError, match=r"the updates have a leaf at \['v'\]"):
+        tx.update({"v": jnp.ones((3, 2))}, state)
