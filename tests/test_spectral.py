@@ -211,6 +211,23 @@ def test_the_default_is_within_one_percent_up_to_ratio_100() -> None:
     assert max(theirs for _, theirs in worst.values()) > 5e-2, worst
 
 
+def test_the_error_table_script() -> None:
+    rows = _spectral_table()
+    assert rows[("newton_schulz", 10)][100.0] < 1e-2
+    assert rows[("spectra", 10)][100.0] > 1e-2
+
+
+def _spectral_table():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_spectral.py"
+    spec = importlib.util.spec_from_file_location("bench_spectral", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.error_table(ratios=(1.0, 100.0), steps=(10,), shape=(24, 16))
+
+
 # State, metrics, thresholds.
 
 
