@@ -125,9 +125,8 @@ def _svd_soft_clip_jvp(primals: tuple, tangents: tuple) -> tuple:
     a = u.mT @ dxv  # U^T dX V
     b = s[..., :, None] * a
     inner = s[..., :, None] * divided * (b + b.mT)
-    inner += (
-        jnp.eye(s.shape[-1], dtype=s.dtype) * (-k * dk * (s / p) ** 3)[..., None, :]
-    )
+    diagonal = jnp.arange(s.shape[-1])  # d/dk of sigma h(sigma^2): -k (sigma / p)^3
+    inner = inner.at[..., diagonal, diagonal].add(-k * dk * (s / p) ** 3)
     y = (u * (s / p)[..., None, :]) @ vt
     return (y, s), ((dxv / pj + u @ inner) @ vt, jnp.diagonal(a, 0, -2, -1))
 
