@@ -3,6 +3,7 @@ singular values, sigma / sqrt(1 + sigma**2 / c**2), by Newton-Schulz or SVD."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -13,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as Dims
 
 import clipax
@@ -287,11 +290,16 @@ def test_a_schedule_and_inject_hyperparams() -> None:
     )
     state, inner = tx.init(x), injected.init(x)
     step, step_injected = jax.jit(tx.update), jax.jit(injected.update)
+
+    @jax.jit
+    def fixed(c):  # the threshold as data
+        tx = clipax.clip_by_spectral_norm(c)
+        return tx.update(x, tx.init(x))[0]
+
     for count, c in enumerate([0.0, 1.0, 2.0, 2.0]):
         y, state = step(x, state)
         y_injected, inner = step_injected(x, inner)
-        fixed, _ = clipped(clipax.clip_by_spectral_norm(c if c else jnp.zeros(())), x)
-        chex.assert_trees_all_close(y, fixed, y_injected, atol=1e-6)
+        chex.assert_trees_all_close(y, fixed(c), y_injected, atol=1e-6)
         assert state.count == count + 1
 
 
@@ -453,3 +461,64 @@ def test_another_tree_is_refused() -> None:
     state = tx.init({"w": jnp.ones((3, 2))})
     with pytest.raises(ValueError, match=r"the updates have a leaf at \['v'\]"):
         tx.update({"v": jnp.ones((3, 2))}, state)
+
+
+# Devices.
+
+
+@functools.cache
+def _sharding_case():
+    """A tree, a clip, and the clip on one device (shared by the layouts)."""
+    tree = {
+        "w": matrix((16, 8), 5.0),  # rows split
+        "s": np.stack([matrix((8, 12), r, seed=i) for i, r in enumerate((1, 3, 5, 7))]),
+        "attn": matrix((8, 16), 9.0).reshape(8, 4, 4),  # heads split
+    }
+    dims = {"w": Dims(), "s": Dims(), "attn": Dims(0, (1, 2))}
+    tx = clipax.clip_by_spectral_norm(
+        1.0, stacked={"w": 0, "s": 1, "attn": 0}, weight_dimension_numbers=dims
+    )
+    return tree, tx, clipped(tx, tree)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+def test_sharded_leaves_under_jit_give_one_devices_numbers(kind) -> None:
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(getattr(AxisType, kind),))
+    tree, tx, (want, want_state) = _sharding_case()
+    layouts = {"w": P("d"), "s": P("d"), "attn": P(None, "d")}  # s: layers split
+    with jax.set_mesh(mesh):
+        placed = {
+            k: jax.device_put(x, NamedSharding(mesh, layouts[k]))
+            for k, x in tree.items()
+        }
+        got, state = clipped(tx, placed)
+    chex.assert_trees_all_close(got, want, atol=1e-6)
+    chex.assert_trees_all_close(state.sigma_max, want_state.sigma_max, rtol=1e-6)
+    assert tuple(got["attn"].sharding.spec)[:2] == (None, "d")  # kept as given
+
+
+@pytest.mark.devices(4)
+def test_inside_shard_map_a_split_matrix_is_refused() -> None:
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    tx = clipax.clip_by_spectral_norm(1.0)
+    tree = {"w": jnp.ones((16, 8)), "b": jnp.ones(8)}
+
+    def clip(tree):
+        return tx.update(tree, tx.init(tree))[0]
+
+    specs = {"w": P("d"), "b": P()}
+    with jax.set_mesh(mesh):
+        placed = {
+            k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in tree.items()
+        }
+        split = jax.shard_map(clip, mesh=mesh, in_specs=(specs,), out_specs=specs)
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "`clip_by_spectral_norm` takes no `specs` yet: inside shard_map over "
+                "('d',) it cannot tell whether the leaf at ['w'] with shape (4, 8) is "
+                "split. Call it under jax.jit, or on whole leaves."
+            ),
+        ):
+            split(placed)

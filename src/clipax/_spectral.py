@@ -83,7 +83,8 @@ def inverse_root(g: jax.Array, k: jax.Array, steps: int, method: str) -> jax.Arr
         low = jnp.minimum(s * low * (3 - s * low) ** 2, s * (3 - s) ** 2) / 4
         return y @ t, t @ z, low  # Z Y's spectrum m maps to m (3 - m)^2 / 4
 
-    start = ((eye + k**2 * g) / alpha, jnp.broadcast_to(eye, g.shape), 1 / alpha)
+    z = jnp.zeros_like(g) + eye  # laid out as g (on an Explicit mesh too)
+    start = ((eye + k**2 * g) / alpha, z, 1 / alpha)
     return jax.lax.fori_loop(0, steps, step, start)[1] / jnp.sqrt(alpha)
 
 
@@ -99,8 +100,8 @@ def top_singular_value(g: jax.Array) -> jax.Array:
         return w / jnp.maximum(norm, np.finfo(g.dtype).tiny), norm[..., 0]
 
     start = np.random.default_rng(0).standard_normal(g.shape[-1])  # the steps
-    v = jnp.broadcast_to(jnp.asarray(start, g.dtype), g.shape[:-1])  # normalise it
-    top = jax.lax.fori_loop(0, POWER_STEPS, step, (v, jnp.zeros(g.shape[:-2], g.dtype)))
+    v = jnp.zeros_like(g[..., 0]) + start.astype(g.dtype)  # normalise it
+    top = jax.lax.fori_loop(0, POWER_STEPS, step, (v, jnp.zeros_like(g[..., 0, 0])))
     return jnp.sqrt(top[1])
 
 
@@ -153,17 +154,19 @@ def clip_matrix(leaf: Leaf, axes: Axes, c: Any, method: str, steps: int) -> Pair
     soft-clipped, and its layers' largest singular values (over the other
     axes). The Gram matrix is the smaller side's (ties: the output axes are
     summed, as SPECTRA's X X^T of a (reduction, output) matrix)."""
-    x, (reduction, output) = leaf.x, axes
+    x, (reduction, output) = jnp.asarray(leaf.x), axes  # NumPy float64: float32
     batch = [d for d in leaf.inner if d not in reduction + output]
     size = lambda axes: math.prod(x.shape[d] for d in axes)  # noqa: E731
     summed, kept = (output, reduction) if size(reduction) <= size(output) else axes
     order = [*leaf.layer_axes, *batch, *summed, *kept]
     shape = [size(a) for a in (leaf.layer_axes, batch, summed, kept)]
     acc = _leaves.accum_dtype(x.dtype)
-    xt = jnp.transpose(x, order).reshape(shape).astype(acc)
+    whole = _leaves.replicated(x)  # split on an Explicit mesh: gathered, for now
+    xt = jnp.transpose(whole, order).reshape(shape).astype(acc)
     y, top = soft_clip(xt, jnp.asarray(c, acc), method, steps)
     y = y.reshape([x.shape[d] for d in order]).transpose(np.argsort(order))
-    y = y.astype(jax.dtypes.canonicalize_dtype(x.dtype))  # NumPy float64: float32
+    y = y.astype(x.dtype)
+    y = y if whole is x else jax.sharding.reshard(y, jax.typeof(x).sharding)
     return y, jnp.max(top, axis=1, initial=0.0).reshape(leaf.layers)
 
 
