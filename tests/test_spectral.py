@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as Dims
 
 import clipax
-from tests.helpers import DATA, assert_compiles_once
+from tests.helpers import DATA, assert_compiles_once, collectives
 
 METHODS = ["newton_schulz", "svd"]
 
@@ -471,12 +471,15 @@ def _sharding_case():
     """A tree, a clip, and the clip on one device (shared by the layouts)."""
     tree = {
         "w": matrix((16, 8), 5.0),  # rows split
+        "cols": matrix((16, 8), 6.0, seed=5),  # the smaller side split
         "s": np.stack([matrix((8, 12), r, seed=i) for i, r in enumerate((1, 3, 5, 7))]),
         "attn": matrix((8, 16), 9.0).reshape(8, 4, 4),  # heads split
     }
-    dims = {"w": Dims(), "s": Dims(), "attn": Dims(0, (1, 2))}
+    dims = {"w": Dims(), "cols": Dims(), "s": Dims(), "attn": Dims(0, (1, 2))}
     tx = clipax.clip_by_spectral_norm(
-        1.0, stacked={"w": 0, "s": 1, "attn": 0}, weight_dimension_numbers=dims
+        1.0,
+        stacked={"w": 0, "cols": 0, "s": 1, "attn": 0},
+        weight_dimension_numbers=dims,
     )
     return tree, tx, clipped(tx, tree)
 
@@ -486,39 +489,154 @@ def _sharding_case():
 def test_sharded_leaves_under_jit_give_one_devices_numbers(kind) -> None:
     mesh = jax.make_mesh((4,), ("d",), axis_types=(getattr(AxisType, kind),))
     tree, tx, (want, want_state) = _sharding_case()
-    layouts = {"w": P("d"), "s": P("d"), "attn": P(None, "d")}  # s: layers split
-    with jax.set_mesh(mesh):
+    layouts = {"w": P("d"), "cols": P(None, "d"), "s": P("d"), "attn": P(None, "d")}
+    with jax.set_mesh(mesh):  # s: its layers split
         placed = {
             k: jax.device_put(x, NamedSharding(mesh, layouts[k]))
             for k, x in tree.items()
         }
         got, state = clipped(tx, placed)
-    chex.assert_trees_all_close(got, want, atol=1e-6)
-    chex.assert_trees_all_close(state.sigma_max, want_state.sigma_max, rtol=1e-6)
-    assert tuple(got["attn"].sharding.spec)[:2] == (None, "d")  # kept as given
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state.sigma_max, want_state.sigma_max, rtol=1e-5)
+    for k in layouts:  # placed as given
+        assert got[k].sharding.is_equivalent_to(placed[k].sharding, got[k].ndim), k
 
 
 @pytest.mark.devices(4)
-def test_inside_shard_map_a_split_matrix_is_refused() -> None:
+def test_on_an_explicit_mesh_the_gram_matrix_is_summed_not_the_matrix_gathered():
     mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    x = matrix((16, 8), 5.0)
     tx = clipax.clip_by_spectral_norm(1.0)
-    tree = {"w": jnp.ones((16, 8)), "b": jnp.ones(8)}
-
-    def clip(tree):
-        return tx.update(tree, tx.init(tree))[0]
-
-    specs = {"w": P("d"), "b": P()}
     with jax.set_mesh(mesh):
-        placed = {
-            k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in tree.items()
+        placed = jax.device_put(x, P("d"))
+        hlo = jax.jit(tx.update).lower(placed, tx.init(placed)).compile().as_text()
+    # One all-reduce of the 8 x 8 Gram matrix; nothing of the 16 x 8 matrix.
+    assert collectives(hlo) == [("f32[8,8]{1,0}", "all-reduce")], collectives(hlo)
+
+
+def _in_shard_map(tx, tree, specs, state_specs, check_vma=True):
+    """`tx`'s first update of `tree`, placed as `specs` on a mesh of 4."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        placed = jax.tree.map(lambda x, s: jax.device_put(x, s), tree, specs)
+        step = jax.shard_map(
+            lambda t: tx.update(t, tx.init(t)),
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=(specs, state_specs),
+            check_vma=check_vma,
+        )
+        return jax.jit(step)(placed)
+
+
+@functools.cache
+def _specs_case():
+    """Each layout `specs` takes, one leaf each, and the clip on one device."""
+    tree = {
+        "rows": matrix((16, 8), 5.0),  # the larger side split
+        "cols": matrix((16, 8), 6.0, seed=1),  # the smaller: its Gram is 16 x 16
+        "wide": matrix((8, 16), 4.0, seed=2),  # the output axis split
+        "layers": np.stack(
+            [matrix((8, 12), r, seed=i) for i, r in enumerate((2, 4, 6, 8))]
+        ),
+        "batch": np.stack(
+            [matrix((8, 12), r, seed=i) for i, r in enumerate((9, 3, 5, 7))]
+        ),
+        "whole": matrix((6, 4), 7.0, seed=3),
+        "bias": np.ones(8),
+    }
+    specs = {
+        "rows": P("d"),
+        "cols": P(None, "d"),
+        "wide": P(None, "d"),
+        "layers": P("d"),
+        "batch": P("d"),
+        "whole": P(),
+        "bias": P("d"),
+    }
+    kw = {
+        "stacked": {k: 1 if k == "layers" else 0 for k in tree},
+        "weight_dimension_numbers": {
+            k: Dims(1, 2) if k == "batch" else Dims() for k in tree
         }
-        split = jax.shard_map(clip, mesh=mesh, in_specs=(specs,), out_specs=specs)
-        with pytest.raises(
-            ValueError,
-            match=re.escape(
-                "`clip_by_spectral_norm` takes no `specs` yet: inside shard_map over "
-                "('d',) it cannot tell whether the leaf at ['w'] with shape (4, 8) is "
-                "split. Call it under jax.jit, or on whole leaves."
-            ),
-        ):
-            split(placed)
+        | {"bias": None},
+    }
+    want = clipped(clipax.clip_by_spectral_norm(1.0, **kw), tree)
+    return tree, specs, kw, want
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_inside_shard_map_with_specs_gives_one_devices_numbers(check_vma) -> None:
+    tree, specs, kw, (want, want_state) = _specs_case()
+    tx = clipax.clip_by_spectral_norm(1.0, specs=specs, **kw)
+    per_layer = {k: P("d") if k == "layers" else P() for k in tree} | {"bias": None}
+    state_specs = clipax.ClipBySpectralNormState(
+        P(), per_layer, per_layer, want_state.stacks
+    )
+    got, state = _in_shard_map(tx, tree, specs, state_specs, check_vma)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(state.sigma_max, want_state.sigma_max, rtol=1e-5)
+    assert all(np.all(c) for c in jax.tree.leaves(state.clipped))  # well above c
+
+
+BOTH_SIDES = (
+    "`clip_by_spectral_norm` takes a matrix split along one side at most inside "
+    "shard_map (its Gram matrix then sums over that side: one psum): `specs` gives "
+    f"{P('x', 'y')} to the leaf at ['w'] (its block (8, 2)), which splits "
+    "its reduction axes (0,) over ('x',) and its output axes (1,) over ('y',). "
+    "Gather one side first, or clip under jax.jit."
+)
+SVD_SPLIT = (
+    "`method='svd'` needs each matrix whole on its device inside shard_map: `specs` "
+    f"gives {P('x', None)} to the leaf at ['w'] (its block (8, 8)), which "
+    "splits its reduction axes (0,) over ('x',). Split only its batch and layer "
+    "axes, or use method='newton_schulz' (one psum of a Gram matrix), or jax.jit."
+)
+SPECTRA_SPLIT = (
+    "`method='spectra'` sums each matrix's Gram matrix over its larger side, as "
+    "SPECTRA does (its steps depend on the side): `specs` gives "
+    f"{P(None, 'y')} to the leaf at ['w'] (its block (16, 2)), which splits its "
+    "output axes (1,) over ('y',), the smaller side. Split the larger one, or use "
+    "method='newton_schulz' (either side), or jax.jit."
+)
+NO_SPECS = (
+    "`clip_by_spectral_norm` cannot tell how the leaf at ['w'] (its block (8, 8)) "
+    "is split across the mesh axes ('x', 'y') of this shard_map: pass `specs=`, "
+    "the `in_specs` you gave shard_map for the updates (`PartitionSpec()` for a "
+    "leaf whole on every device). JAX's types prove a leaf whole only with "
+    "`check_vma=True`."
+)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    "spec, method, given, message",
+    [
+        (P("x", "y"), "newton_schulz", True, BOTH_SIDES),
+        (P("x"), "svd", True, SVD_SPLIT),
+        (P(None, "y"), "spectra", True, SPECTRA_SPLIT),
+        (P("x"), "newton_schulz", False, NO_SPECS),
+    ],
+    ids=["both sides", "svd", "spectra smaller side", "no specs"],
+)
+def test_inside_shard_map_a_layout_it_cannot_read_is_refused(
+    spec, method, given, message
+) -> None:
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    specs = {"w": spec, "b": P()}
+    tx = clipax.clip_by_spectral_norm(
+        1.0, method=method, specs=specs if given else None
+    )
+    tree = {"w": jnp.ones((16, 8)), "b": jnp.ones(8)}
+    with jax.set_mesh(mesh):
+        placed = jax.tree.map(lambda x, s: jax.device_put(x, s), tree, specs)
+        step = jax.shard_map(
+            lambda t: tx.update(t, tx.init(t))[0],
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=specs,
+        )
+        # Raised while jit traces: JAX adds a note about its frames below.
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}($|\n)"):
+            step(placed)

@@ -2,8 +2,10 @@
 
 A matrix X becomes X (I + X^T X / c^2)^(-1/2), which maps each singular value
 sigma to sigma / sqrt(1 + sigma^2 / c^2) (docs/spectral.md). X^T X is the Gram
-matrix of the smaller side, and the only quantity that sums over the other:
-a matrix split along that axis would need one psum of it, never a gather.
+matrix of the smaller side, and the only quantity that sums over the other: a
+matrix split along one side has the Gram matrix of the other, summed over the
+split side by one psum (inside shard_map) or by XLA (under jax.jit), and each
+device applies the inverse root to its own block; the matrix is never gathered.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 from jax.typing import ArrayLike
 from optax.contrib import MuonDimensionNumbers as Dims
 
-from clipax import _checks, _leaves, _states
-from clipax._leaves import Leaf, path_str
+from clipax import _checks, _engine, _leaves, _states
+from clipax._leaves import Leaf, MeshAxes, path_str
 
 NAME = "clip_by_spectral_norm"
 METHODS = ("newton_schulz", "spectra", "svd")
@@ -33,6 +36,18 @@ DIMS = "None, a MuonDimensionNumbers, a prefix of the updates holding them or No
 
 Axes = tuple[tuple[int, ...], tuple[int, ...]]  # a matrix's reduction, output axes
 Pair = tuple[jax.Array, jax.Array]
+
+
+class Plan(NamedTuple):
+    """How a leaf's matrices are read: its axes in the order layers, batch,
+    rows (the side the Gram matrix sums over), columns; and, inside
+    shard_map, the mesh axes that split the rows (the Gram matrix's psum)
+    and the batch (the largest singular value's pmax)."""
+
+    order: tuple[int, ...]
+    shape: tuple[int, ...]  # the block's layers, batch, rows and columns
+    sums: MeshAxes = ()
+    spread: MeshAxes = ()
 
 
 @_states.declare(NAME, per_tensor={"sigma_max": "sigma_max", "clipped": "clipped"})
@@ -59,7 +74,9 @@ def _bound(g: jax.Array) -> jax.Array:
     return jnp.minimum(rows, jnp.sqrt(jnp.sum(jnp.square(g), (-2, -1))))
 
 
-def inverse_root(g: jax.Array, k: jax.Array, steps: int, method: str) -> jax.Array:
+def inverse_root(
+    g: jax.Array, k: jax.Array, steps: int, method: str, spread: MeshAxes = ()
+) -> jax.Array:
     """(I + k^2 g)^(-1/2) of each Gram matrix g[..., :, :], by `steps` coupled
     Newton-Schulz steps on A = (I + k^2 g) / alpha, alpha an upper bound of
     its largest eigenvalue, so that A's spectrum lies in [1/alpha, 1].
@@ -67,12 +84,14 @@ def inverse_root(g: jax.Array, k: jax.Array, steps: int, method: str) -> jax.Arr
     `"newton_schulz"` scales each step by s, chosen from the interval
     [low, 1] that holds the spectrum of Z Y, so that s * low and s * 1 map to
     the same value (s = 3 / (1 + sqrt(low) + low)); `"spectra"` takes s = 1
-    and one alpha per entry of axis 1 (SPECTRA's bound over a batch).
+    and one alpha per entry of axis 0 (SPECTRA's bound over a batch, axis 1,
+    whose blocks inside shard_map are spread over the mesh axes `spread`).
     """
     eye = jnp.eye(g.shape[-1], dtype=g.dtype)
     bound = jax.lax.stop_gradient(_bound(g))  # the exact root does not use it
     if method == "spectra":
         bound = jnp.max(bound, axis=1, keepdims=True, initial=0.0)
+        bound = _engine.pmax_all(bound, [spread])
     alpha = (1 + k**2 * bound)[..., None, None]
 
     def step(_: int, carry: tuple) -> tuple:
@@ -132,42 +151,117 @@ def _svd_soft_clip_jvp(primals: tuple, tangents: tuple) -> tuple:
     return (y, s), ((dxv / pj + u @ inner) @ vt, jnp.diagonal(a, 0, -2, -1))
 
 
-def soft_clip(x: jax.Array, c: jax.Array, method: str, steps: int) -> Pair:
-    """SPECTRA's soft clip of each matrix x[l, b, :, :] (rows >= columns),
-    and its largest singular value (`top_singular_value`'s estimate, or the
-    SVD's). A matrix holding NaN or inf, or whose Gram matrix overflows, comes
-    out all NaN; c <= 0 gives zeros, c = inf `x` itself."""
+def soft_clip(
+    x: jax.Array, c: jax.Array, method: str, steps: int, how: Plan | None = None
+) -> Pair:
+    """SPECTRA's soft clip of each matrix x[l, b, :, :], and its largest
+    singular value (`top_singular_value`'s estimate, or the SVD's). Inside
+    shard_map, x holds this device's rows of each matrix, and `how` says
+    over which mesh axes the rows and the batch are split. A matrix holding
+    NaN or inf, or whose Gram matrix overflows, comes out all NaN; c <= 0
+    gives zeros, c = inf `x` itself."""
     k = 1 / jnp.where(c <= 0, 1, c)  # NaN stays NaN
+    sums, spread = (how.sums, how.spread) if how else ((), ())
     if method == "svd":
         y, s = svd_soft_clip(x, k)
         top = jnp.max(s, axis=-1, initial=0.0)
+        top = jnp.where(jnp.all(jnp.isfinite(x), axis=(-2, -1)), top, np.nan)
     else:
-        g = gram(x)  # the one quantity summed over the rows
-        y, top = x @ inverse_root(g, k, steps, method), top_singular_value(g)
-    top = jnp.where(jnp.all(jnp.isfinite(x), axis=(-2, -1)), top, np.nan)
+        g = gram(x)  # the one quantity summed over the rows: psum the blocks'
+        g = jax.lax.psum(g, sums) if sums else g
+        y = x @ inverse_root(g, k, steps, method, spread)
+        finite = jnp.all(jnp.isfinite(g), axis=(-2, -1))  # x's NaN and inf too
+        top = jnp.where(finite, top_singular_value(g), np.nan)
     y = jnp.where(c == np.inf, x, jnp.where(c <= 0, 0, y))
     return jnp.where(jnp.isfinite(top)[..., None, None], y, np.nan), top
+
+
+def _explicit_dims(x: Any) -> tuple[MeshAxes, ...]:
+    """Per dimension of `x`, the mesh axes its type says split it: under
+    `jax.jit` on an Explicit mesh; none elsewhere."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = (*getattr(sharding, "spec", ()), *(None,) * x.ndim)[: x.ndim]
+    return tuple((e,) if isinstance(e, str) else tuple(e or ()) for e in spec)
+
+
+def plan(leaf: Leaf, axes: Axes, method: str) -> Plan:
+    """How the leaf's matrices over `axes` (reduction, output) are read. The
+    rows are the larger side (the output axes for a tie: SPECTRA's X X^T of
+    a (reduction, output) matrix); with "newton_schulz", the side split
+    across devices where one is, so that its Gram matrix is summed over the
+    split side (one psum inside shard_map) and the matrix is never gathered.
+
+    Raises:
+      ValueError: naming the leaf, its spec and what is accepted, inside
+        shard_map, if both sides are split, or "svd" finds either split, or
+        "spectra" the smaller one.
+    """
+    x, (reduction, output) = leaf.x, axes
+    inside = bool(_leaves.manual_axes()) and leaf.dims is not None
+    dims = leaf.dims if inside and leaf.dims is not None else _explicit_dims(x)
+    on = lambda side: tuple(sorted({n for d in side for n in dims[d]}))  # noqa: E731
+    size = lambda side: math.prod(x.shape[d] for d in side)  # noqa: E731
+    rows, columns = (output, reduction) if size(reduction) <= size(output) else axes
+    if method == "newton_schulz" and bool(on(reduction)) != bool(on(output)):
+        rows, columns = axes if on(reduction) else (output, reduction)
+    if inside and (on(columns) or (method == "svd" and on(rows))):
+        raise ValueError(_refusal(leaf, axes, on, method))
+    batch = tuple(d for d in leaf.inner if d not in reduction + output)
+    order = (*leaf.layer_axes, *batch, *rows, *columns)
+    shape = tuple(size(a) for a in (leaf.layer_axes, batch, rows, columns))
+    return Plan(order, shape, *((on(rows), on(batch)) if inside else ()))
+
+
+def _refusal(leaf: Leaf, axes: Axes, on: Callable, method: str) -> str:
+    """Why `plan` refuses the leaf's layout, and what it accepts."""
+    entries = [None if not n else n[0] if len(n) == 1 else n for n in leaf.dims or ()]
+    where = (
+        f"`specs` gives {PartitionSpec(*entries)} to the leaf at "
+        f"{path_str(leaf.path)} (its block {tuple(leaf.x.shape)}), which splits "
+    )
+    sides = zip(("reduction", "output"), axes, strict=True)
+    split = " and ".join(f"its {n} axes {a} over {on(a)}" for n, a in sides if on(a))
+    if method == "svd":
+        return (
+            f"`method='svd'` needs each matrix whole on its device inside "
+            f"shard_map: {where}{split}. Split only its batch and layer axes, or "
+            "use method='newton_schulz' (one psum of a Gram matrix), or jax.jit."
+        )
+    if " and " in split:
+        return (
+            f"`{NAME}` takes a matrix split along one side at most inside "
+            f"shard_map (its Gram matrix then sums over that side: one psum): "
+            f"{where}{split}. Gather one side first, or clip under jax.jit."
+        )
+    return (
+        "`method='spectra'` sums each matrix's Gram matrix over its larger side, as "
+        f"SPECTRA does (its steps depend on the side): {where}{split}, the smaller "
+        "side. Split the larger one, or use method='newton_schulz' (either side), "
+        "or jax.jit."
+    )
 
 
 def clip_matrix(leaf: Leaf, axes: Axes, c: Any, method: str, steps: int) -> Pair:
     """The leaf with each matrix over `axes` (its reduction and output axes)
     soft-clipped, and its layers' largest singular values (over the other
-    axes). The Gram matrix is the smaller side's (ties: the output axes are
-    summed, as SPECTRA's X X^T of a (reduction, output) matrix)."""
-    x, (reduction, output) = jnp.asarray(leaf.x), axes  # NumPy float64: float32
-    batch = [d for d in leaf.inner if d not in reduction + output]
-    size = lambda axes: math.prod(x.shape[d] for d in axes)  # noqa: E731
-    summed, kept = (output, reduction) if size(reduction) <= size(output) else axes
-    order = [*leaf.layer_axes, *batch, *summed, *kept]
-    shape = [size(a) for a in (leaf.layer_axes, batch, summed, kept)]
+    axes), as on one device. Split on an Explicit mesh, it is clipped in
+    Auto mode and placed as it came: XLA then sums the Gram matrix over the
+    split side, as a psum does inside shard_map, instead of gathering it."""
+    x, how = jnp.asarray(leaf.x), plan(leaf, axes, method)  # NumPy float64: float32
     acc = _leaves.accum_dtype(x.dtype)
-    whole = _leaves.replicated(x)  # split on an Explicit mesh: gathered, for now
-    xt = jnp.transpose(whole, order).reshape(shape).astype(acc)
-    y, top = soft_clip(xt, jnp.asarray(c, acc), method, steps)
-    y = y.reshape([x.shape[d] for d in order]).transpose(np.argsort(order))
-    y = y.astype(x.dtype)
-    y = y if whole is x else jax.sharding.reshard(y, jax.typeof(x).sharding)
-    return y, jnp.max(top, axis=1, initial=0.0).reshape(leaf.layers)
+
+    def clip(x: jax.Array, c: jax.Array) -> Pair:
+        xt = jnp.transpose(x, how.order).reshape(how.shape).astype(acc)
+        y, top = soft_clip(xt, c, method, steps, how)
+        y = y.reshape([x.shape[d] for d in how.order]).transpose(np.argsort(how.order))
+        top = jnp.max(top, axis=1, initial=0.0).reshape(leaf.layers)
+        return y.astype(x.dtype), _engine.pmax_all(top, [how.spread])
+
+    if not _leaves.manual_axes() and any(_explicit_dims(x)):
+        sharding = jax.typeof(x).sharding
+        whole = sharding.update(spec=PartitionSpec())
+        clip = jax.sharding.auto_axes(clip, out_sharding=(sharding, whole))
+    return clip(x, jnp.asarray(c, acc))
 
 
 def matrix_axes(leaves: _leaves.Leaves, dims: Any, tree: Any) -> list[Axes | None]:
@@ -176,7 +270,7 @@ def matrix_axes(leaves: _leaves.Leaves, dims: Any, tree: Any) -> list[Axes | Non
 
     Raises:
       ValueError: naming the leaf and its shape, if its axes are out of range
-        or overlap; inside shard_map, if a matrix may be split.
+        or overlap; inside shard_map without `specs`, if a matrix may be split.
       TypeError: naming the leaf and its dtype, if a matrix is not float.
     """
     found: list[Any] = [Dims() if len(x.inner) == 2 else None for x in leaves]
@@ -200,11 +294,14 @@ def matrix_axes(leaves: _leaves.Leaves, dims: Any, tree: Any) -> list[Axes | Non
                 f"`{NAME}` clips float matrices; {where} has dtype {leaf.x.dtype}. "
                 "Cast it, or give it None in `weight_dimension_numbers`."
             )
-        if axes and leaf.unknown:  # a matrix's Gram needs a psum: `specs`, later
+        if axes and leaf.unknown:
             raise ValueError(
-                f"`{NAME}` takes no `specs` yet: inside shard_map over "
-                f"{leaf.unknown} it cannot tell whether {where} is split. Call it "
-                "under jax.jit, or on whole leaves."
+                f"`{NAME}` cannot tell how the leaf at {path_str(leaf.path)} (its "
+                f"block {tuple(leaf.x.shape)}) is split across the mesh axes "
+                f"{leaf.unknown} of this shard_map: pass `specs=`, the "
+                "`in_specs` you gave shard_map for the updates (`PartitionSpec()` "
+                "for a leaf whole on every device). JAX's types prove a leaf whole "
+                "only with `check_vma=True`."
             )
         out.append(axes or None)
     return out
@@ -229,6 +326,7 @@ def clip_by_spectral_norm(
     ns_steps: int | None = None,
     weight_dimension_numbers: Any = None,
     stacked: Any = None,
+    specs: Any = None,
 ) -> optax.GradientTransformation:
     """Soft-clips the singular values of each update matrix (SPECTRA).
 
@@ -252,6 +350,9 @@ def clip_by_spectral_norm(
         `optax.contrib.muon`; None: each 2-D leaf (layer) is a matrix, with
         reduction axis 0 and output axis 1, and other leaves pass unchanged.
       stacked: None, or a prefix of the updates (docs/stacked-layers.md).
+      specs: inside `shard_map`, the `in_specs` of the updates: a matrix may
+        be split along one side (its Gram matrix is then summed over it, one
+        psum) and along its batch and layer axes (docs/scaling-out.md).
 
     Returns:
       An `optax.GradientTransformation` whose state is a
@@ -278,9 +379,10 @@ def clip_by_spectral_norm(
     if method == "svd":
         _checks.unused(ns_steps, None, NO_STEPS)
     steps = NS_STEPS if ns_steps is None else _checks.integer("ns_steps", ns_steps)
+    reader = _leaves.reader(NAME, stacked=stacked, specs=specs)
 
     def read(tree: Any) -> tuple[_leaves.Leaves, list[Axes | None], _leaves.Leaves]:
-        leaves = _leaves.leaves(tree, NAME, kind="array", stacked=stacked)
+        leaves = reader(tree, kind="array")
         axes = matrix_axes(leaves, weight_dimension_numbers, tree)
         mats = [x for x, a in zip(leaves, axes, strict=True) if a]
         return leaves, axes, _leaves.Leaves(mats, None)
