@@ -231,6 +231,82 @@ def _spectral_table():
     return bench.error_table(ratios=(1.0, 100.0), steps=(10,), shape=(24, 16))
 
 
+# SPECTRA with AdamW as an optax chain (docs/porting.md, "From SPECTRA").
+
+
+def _spectra_chain(lr, clip_c, base_lr, warmup_steps, weight_decay, method):
+    def threshold(step):  # c * lr constant in the warm-up, then clip_c
+        warm = clip_c * base_lr / jnp.maximum(lr(step), 1e-10)
+        return jnp.where(step < warmup_steps, warm, clip_c)
+
+    def rectangular(updates, params=None):  # sqrt(max(1, out / in)), (in, out)
+        return jax.tree.map(
+            lambda u: u * max(1, u.shape[1] / u.shape[0]) ** 0.5 if u.ndim == 2 else u,
+            updates,
+        )
+
+    return optax.chain(
+        optax.scale_by_adam(0.9, 0.95, 1e-8),
+        clipax.clip_by_spectral_norm(threshold, method=method),
+        optax.stateless(rectangular),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(lr),
+    )
+
+
+def spectra_adamw_steps(params, grads, lrs, clip_c, base_lr, warmup_steps, wd):
+    """Each step's update of SPECTRA over torch's AdamW (b1 0.9, b2 0.95, eps
+    1e-8) in float64, from src/optim/spectra.py: U, AdamW's direction; for a
+    2-D parameter (a kernel (in, out), the torch weight transposed) U soft-
+    clipped by SVD at c (c * lr = clip_c * base_lr in the warm-up, then
+    clip_c) and scaled by sqrt(max(1, out / in)); X (1 - lr wd) - lr U."""
+    b1, b2, eps = 0.9, 0.95, 1e-8
+    x = {k: np.asarray(p, np.float64) for k, p in params.items()}
+    m = {k: np.zeros_like(p) for k, p in x.items()}
+    v = {k: np.zeros_like(p) for k, p in x.items()}
+    steps = []
+    for t, (g, lr) in enumerate(zip(grads, lrs, strict=True)):
+        c = clip_c * base_lr / max(lr, 1e-10) if t < warmup_steps else clip_c
+        new = {}
+        for k in x:
+            m[k] = b1 * m[k] + (1 - b1) * g[k]
+            v[k] = b2 * v[k] + (1 - b2) * g[k] ** 2
+            u = m[k] / (1 - b1 ** (t + 1)) / (np.sqrt(v[k] / (1 - b2 ** (t + 1))) + eps)
+            if u.ndim == 2:
+                weight = u.T  # torch's (out, in)
+                alpha = max(1, weight.shape[-2] / weight.shape[-1]) ** 0.5
+                u = (alpha * exact(weight, c)).T
+            new[k] = (1 - lr * wd) * x[k] - lr * u
+        steps.append({k: new[k] - x[k] for k in x})
+        x = new
+    return steps
+
+
+@pytest.mark.parametrize(
+    "method, rtol, atol", [("svd", 1e-5, 1e-8), ("newton_schulz", 1e-5, 2e-8)]
+)
+def test_spectra_with_adamw_as_an_optax_chain_matches_float64_numpy(
+    method, rtol, atol
+) -> None:
+    rng = np.random.default_rng(0)
+    shapes = {"w": (6, 4), "v": (4, 6), "b": (4,)}
+    params = {k: rng.standard_normal(shape) for k, shape in shapes.items()}
+    grads = [{k: rng.standard_normal(s) for k, s in shapes.items()} for _ in range(5)]
+    lr = optax.linear_schedule(5e-3, 1e-2, transition_steps=3)  # warm-up: 3 steps
+    lrs, clip_c = [float(lr(t)) for t in range(5)], 0.35  # c: 0.7 down to 0.35
+    wants = spectra_adamw_steps(params, grads, lrs, clip_c, 1e-2, 3, wd=0.1)
+    tx = _spectra_chain(lr, clip_c, 1e-2, 3, weight_decay=0.1, method=method)
+    x = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+    state, step = tx.init(x), jax.jit(tx.update)
+    for t, (g, want) in enumerate(zip(grads, wants, strict=True)):
+        updates, state = step(jax.tree.map(jnp.float32, g), state, x)
+        chex.assert_trees_all_close(updates, want, rtol=rtol, atol=atol)
+        c = clip_c * 1e-2 / lrs[t] if t < 3 else clip_c
+        for k in ("w", "v"):  # where the clip acts: sigma_max / c from 3 to 10
+            assert 3 < state[1].sigma_max[k] / c < 10, (t, k, state[1].sigma_max)
+        x = optax.apply_updates(x, updates)
+
+
 # State, metrics, thresholds.
 
 
