@@ -197,7 +197,7 @@ def plan(leaf: Leaf, axes: Axes, method: str) -> Plan:
         "spectra" the smaller one.
     """
     x, (reduction, output) = leaf.x, axes
-    inside = bool(_leaves.manual_axes()) and leaf.dims is not None
+    inside = bool(_leaves.manual_axes())  # where `matrix_axes` found dims
     dims = leaf.dims if inside and leaf.dims is not None else _explicit_dims(x)
     on = lambda side: tuple(sorted({n for d in side for n in dims[d]}))  # noqa: E731
     size = lambda side: math.prod(x.shape[d] for d in side)  # noqa: E731
@@ -220,14 +220,15 @@ def _refusal(leaf: Leaf, axes: Axes, on: Callable, method: str) -> str:
         f"{path_str(leaf.path)} (its block {tuple(leaf.x.shape)}), which splits "
     )
     sides = zip(("reduction", "output"), axes, strict=True)
-    split = " and ".join(f"its {n} axes {a} over {on(a)}" for n, a in sides if on(a))
+    named = [f"its {n} axes {a} over {on(a)}" for n, a in sides if on(a)]
+    split = " and ".join(named)
     if method == "svd":
         return (
             f"`method='svd'` needs each matrix whole on its device inside "
             f"shard_map: {where}{split}. Split only its batch and layer axes, or "
             "use method='newton_schulz' (one psum of a Gram matrix), or jax.jit."
         )
-    if " and " in split:
+    if len(named) == 2:
         return (
             f"`{NAME}` takes a matrix split along one side at most inside "
             f"shard_map (its Gram matrix then sums over that side: one psum): "
