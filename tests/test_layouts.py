@@ -8,7 +8,6 @@ matches nothing, or leaves of one stack with other layer counts, are errors.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -341,9 +340,11 @@ def test_stacked_prefix_reads_nnx_sharding_names() -> None:
     def make(rngs: nnx.Rngs) -> _NNXBlock:
         return _NNXBlock(rngs)
 
-    # Flax 0.12 shards named variables when they are made, with a mesh.
-    eager = getattr(nnx, "use_eager_sharding", lambda _: contextlib.nullcontext())
-    with eager(False):
+    # Flax 0.12 shards named variables when they are made: off where it can be
+    # turned off, else under a mesh with those names (Flax 0.12.0).
+    eager = getattr(nnx, "use_eager_sharding", None)
+    names = ("embed", "layers", "mlp")
+    with eager(False) if eager else jax.set_mesh(jax.make_mesh((1, 1, 1), names)):
         blocks = make(nnx.Rngs(0))
     state = nnx.state(blocks)
     prefix = clipax.stacked_prefix(state, axis_name="layers")

@@ -213,7 +213,7 @@ def test_no_clipax_state_gives_an_empty_dict() -> None:
 
 
 def test_a_new_clipax_state_class_needs_one_declaration(state_registry: Any) -> None:
-    @state_registry.declare("new_rule")
+    @state_registry.declare("new_rule", clip=("norm", "threshold"))
     class NewRuleState(NamedTuple):
         norm: jax.Array
         threshold: jax.Array

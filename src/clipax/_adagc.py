@@ -16,7 +16,9 @@ from clipax import _checks, _engine, _leaves, _states
 
 
 @_states.declare(
-    "adagc", per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"}
+    "adagc",
+    per_tensor={"ema": "ema", "norms": "norm", "thresholds": "threshold"},
+    clip=("norms", "thresholds"),
 )
 class AdaGCState(NamedTuple):
     """State of `adagc`: each tensor's EMA and what the last update saw."""
@@ -162,25 +164,22 @@ def adagc(
             norms, [leaf.split(leaf.layer_axes) for leaf in leaves]
         )
         a = jnp.asarray(alpha, dtype)
-        shared = (
-            state.count < warmup,
-            _engine.clip_factor(total.astype(dtype), max_norm),
-            jnp.asarray(clip_ratio, dtype),
-            a,
-            1 - a,
-        )
-        new_emas, new_thresholds, clipped = [], [], []
-        for leaf, *entries in zip(leaves, emas, thresholds, norms, strict=True):
-            ema, threshold, factor = _tensor_step(*entries, *shared)
-            new_emas.append(ema)
-            new_thresholds.append(threshold)
-            clipped.append(_engine.scaled(leaf.x, leaf.broadcast(factor)))
+        factor = _engine.clip_factor(total.astype(dtype), max_norm)  # the warm-up's
+        ratio = jnp.asarray(clip_ratio, dtype)
+        shared = (state.count < warmup, factor, ratio, a, 1 - a)
+        # Each tensor's (ema, threshold, clip factor), by `adagc_step`.
+        steps = zip(emas, thresholds, norms, strict=True)
+        stepped = [_tensor_step(*entries, *shared) for entries in steps]
+        clipped = [
+            _engine.scaled(leaf.x, leaf.broadcast(factor))
+            for leaf, (_, _, factor) in zip(leaves, stepped, strict=True)
+        ]
         return leaves.rebuild(clipped), AdaGCState(
-            ema=leaves.stats(new_emas),
+            ema=leaves.stats(ema for ema, _, _ in stepped),
             count=_engine.count_if(finite, state.count),
             norm=total.astype(dtype),
             norms=leaves.stats(norms),
-            thresholds=leaves.stats(new_thresholds),
+            thresholds=leaves.stats(threshold for _, threshold, _ in stepped),
             stacks=state.stacks,
         )
 

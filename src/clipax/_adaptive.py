@@ -11,8 +11,8 @@ statistics updated (`state._replace`); `global_rule` does the rest once: the
 norm (with `specs` / `axis_name` for sharded leaves), `count`, `norm` and
 `threshold`, the NaN rule (a NaN or inf norm keeps the statistics and the
 threshold, its updates come out NaN, and the step is not counted), and the
-clip, TensorFlow's `x * t / max(norm, t)`. A rolling window of recent values
-(`pushed`, `window_moments`) serves ZClip and `skip_spikes`.
+clip, TensorFlow's `x * t / max(norm, t)`. ZClip's rolling window is
+`_statistics`'.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _leaves, _states
+from clipax import _checks, _engine, _leaves, _states, _statistics
 
 EPS = 1e-6  # added to the standard deviation in ZClip's z-score, as its authors do
 # ZClip's modes by clipax's names and by the authors' package's.
@@ -102,27 +102,7 @@ def same_shapes(fn_name: str, state: dict[str, Any], fresh: dict[str, Any]) -> N
             )
 
 
-# A rolling window: the last `len(buffer)` of the `count` values recorded.
-
-
-def pushed(buffer: jax.Array, count: jax.Array, x: jax.Array, take: Any) -> jax.Array:
-    """`buffer` with `x` recorded (in slot `count % len(buffer)`) where `take`."""
-    return jnp.where(take, buffer.at[count % buffer.shape[0]].set(x), buffer)
-
-
-def window_moments(
-    buffer: jax.Array, count: jax.Array, ddof: int
-) -> tuple[jax.Array, jax.Array]:
-    """The mean and variance (divisor n - `ddof`) of the n = min(`count`,
-    `len(buffer)`) values recorded; 0 for none."""
-    valid = jnp.arange(buffer.shape[0]) < count
-    n = jnp.sum(valid).astype(buffer.dtype)
-    mean = jnp.sum(jnp.where(valid, buffer, 0)) / jnp.maximum(n, 1)
-    squares = jnp.sum(jnp.where(valid, jnp.square(buffer - mean), 0))
-    return mean, squares / jnp.maximum(n - ddof, 1)
-
-
-@_states.declare("autoclip")
+@_states.declare("autoclip", clip=("norm", "threshold"))
 class AutoClipState(NamedTuple):
     """State of `autoclip`: the recent norms and what the last update saw."""
 
@@ -235,7 +215,7 @@ def autoclip(
     return global_rule("autoclip", init, rule, p=p, specs=specs, axis_name=axis_name)
 
 
-@_states.declare("zclip")
+@_states.declare("zclip", clip=("norm", "threshold"))
 class ZClipState(NamedTuple):
     """State of `zclip`: the norm statistics and what the last update saw."""
 
@@ -286,8 +266,8 @@ def zclip_rule(
             limit = limit * jnp.asarray(clip_factor, dtype)
     seen = norm if raw else jnp.where(over, limit, norm)
     if warmup is not None:
-        buffer = pushed(buffer, state.count, seen, True)
-        new_mean, new_var = window_moments(buffer, state.count + 1, 0)
+        buffer = _statistics.pushed(buffer, state.count, seen, True)
+        new_mean, new_var = _statistics.window_moments(buffer, state.count + 1, 0)
     else:  # the warmup records its norms; its last step starts the EMA
         a = jnp.asarray(alpha, dtype)
         slot = jnp.minimum(state.count, buffer.shape[0] - 1)
@@ -310,6 +290,38 @@ def zclip_rule(
     if max_grad_norm is not None:  # a ceiling on the limit, also in warmup
         threshold = jnp.minimum(threshold, jnp.asarray(max_grad_norm, dtype))
     return threshold, state._replace(mean=new_mean, variance=new_var, buffer=buffer)
+
+
+def limit_options(mode: str, clip_option: str, clip_factor: Any) -> tuple[str, Any]:
+    """ZClip's limit, checked: its mode by clipax's name, and `clip_factor`,
+    each refused where it would mean nothing in the mode given.
+
+    Raises:
+      ValueError: naming the argument and the mode.
+    """
+    rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
+    _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
+    if rule_mode == "std":
+        _checks.unused(
+            clip_option,
+            "adaptive_scaling",
+            '`clip_option` chooses the limit of mode "adaptive"; mode "std" clips '
+            "to mean + z_threshold * std and takes only the default "
+            'clip_option="adaptive_scaling"; got {value} with mode="std" (the '
+            'zclip package ignores clip_option in its "percentile" mode: leave '
+            "it out).",
+        )
+    clip_factor = _checks.positive("clip_factor", clip_factor)
+    if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
+        _checks.unused(
+            clip_factor,
+            1.0,
+            '`clip_factor` scales the limit of mode "adaptive" with '
+            'clip_option="adaptive_scaling", and would change nothing here; got '
+            f"clip_factor={{value}} with mode={mode!r} and "
+            f"clip_option={clip_option!r}.",
+        )
+    return rule_mode, clip_factor
 
 
 @_checks.peer_names({"z_thresh": "z_threshold"})
@@ -378,28 +390,7 @@ def zclip(
     alpha = _checks.unit("alpha", alpha)
     z_threshold = _checks.positive("z_threshold", z_threshold)
     warmup = _checks.integer("warmup_steps", warmup_steps)
-    rule_mode = MODES[_checks.choice("mode", mode, tuple(MODES))]
-    _checks.choice("clip_option", clip_option, ("adaptive_scaling", "mean"))
-    if rule_mode == "std":
-        _checks.unused(
-            clip_option,
-            "adaptive_scaling",
-            '`clip_option` chooses the limit of mode "adaptive"; mode "std" clips '
-            "to mean + z_threshold * std and takes only the default "
-            'clip_option="adaptive_scaling"; got {value} with mode="std" (the '
-            'zclip package ignores clip_option in its "percentile" mode: leave '
-            "it out).",
-        )
-    clip_factor = _checks.positive("clip_factor", clip_factor)
-    if rule_mode != "adaptive" or clip_option != "adaptive_scaling":
-        _checks.unused(
-            clip_factor,
-            1.0,
-            '`clip_factor` scales the limit of mode "adaptive" with '
-            'clip_option="adaptive_scaling", and would change nothing here; got '
-            f"clip_factor={{value}} with mode={mode!r} and "
-            f"clip_option={clip_option!r}.",
-        )
+    rule_mode, clip_factor = limit_options(mode, clip_option, clip_factor)
     skip = _checks.flag("skip_update_on_spike", skip_update_on_spike)
     size = None if window is None else _checks.integer("window", window, minimum=2)
     if size is not None and skip:

@@ -116,10 +116,10 @@ def adaptive_grad_clip(
     eps = _checks.number("eps", eps, "a finite real number >= 0", low=0, high_open=True)
     axes = _checks.axes(axis, name="axis")
 
+    checked = _leaves.reader("adaptive_grad_clip", stacked=stacked, specs=specs)
+
     def units(tree: optax.Updates) -> tuple[_leaves.Leaves, list[tuple[int, ...]]]:
-        leaves = _leaves.leaves(
-            tree, "adaptive_grad_clip", stacked=stacked, specs=specs
-        )
+        leaves = checked(tree)
         return leaves, [unit_axes(axes, leaf) for leaf in leaves]
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
@@ -137,11 +137,13 @@ def adaptive_grad_clip(
             dataclasses.replace(leaf, x=w)
             for leaf, w in zip(leaves, weights, strict=True)
         ]
+        # The updates' and the params' unit norms in one call: one collective
+        # per set of mesh axes for both.
         norms = _engine.norms([*leaves, *w_leaves], reduced + reduced)
-        count = len(leaves)
+        g_norms, w_norms = norms[: len(leaves)], norms[len(leaves) :]
         clipped = [
             _clip_units(leaf.x, gn, wn.astype(gn.dtype), clipping, eps)
-            for leaf, gn, wn in zip(leaves, norms[:count], norms[count:], strict=True)
+            for leaf, gn, wn in zip(leaves, g_norms, w_norms, strict=True)
         ]
         return leaves.rebuild(clipped), optax.EmptyState()
 

@@ -342,7 +342,7 @@ def nonfinite(value: Any, modes: tuple[Any, ...] = NONFINITE_MODES) -> Any:
             f"`error_if_nonfinite` (True is 'error', False {modes[0]!r}); got "
             f"{short_repr(value)}."
         )
-    if value == "error":
+    if value == "error":  # refused where it is asked for, not at the first step
         try:
             jax.local_devices(backend="cpu")
         except RuntimeError as error:

@@ -53,9 +53,10 @@ def _hypot(re: jax.Array, im: jax.Array) -> jax.Array:
     return jnp.where(zero, jnp.zeros_like(big), big * jnp.sqrt(1 + jnp.square(ratio)))
 
 
-def _upcast(x: jax.Array) -> jax.Array:
-    """`x` in its `accum_dtype` (complex where `x` is)."""
-    acc = accum_dtype(x.dtype)
+def upcast(x: jax.Array, like: Any = None) -> jax.Array:
+    """`x` in the `accum_dtype` of `like` (of its own dtype by default), the
+    one upcast before any accumulation: complex where `x` is."""
+    acc = accum_dtype(x.dtype if like is None else like)
     if jnp.iscomplexobj(x):
         return x.astype(jnp.result_type(acc, jnp.complex64))
     return x.astype(acc)
@@ -64,7 +65,7 @@ def _upcast(x: jax.Array) -> jax.Array:
 def powers(x: jax.Array, p: float) -> jax.Array:
     """|x|**p element by element (|x| for p = inf), in float32 or wider; a
     complex leaf counts its modulus, taken without overflow."""
-    x, is_complex = _upcast(x), jnp.iscomplexobj(x)
+    x, is_complex = upcast(x), jnp.iscomplexobj(x)
     if p == 2:
         return jnp.square(x.real) + jnp.square(x.imag) if is_complex else jnp.square(x)
     magnitude = _hypot(x.real, x.imag) if is_complex else jnp.abs(x)
@@ -286,11 +287,10 @@ def partial_sums(
     buckets, alone = _buckets(arrays)
 
     def prepared(x: jax.Array) -> jax.Array:
-        wide = jnp.result_type(x.dtype, dtype)
         if scale is None:
-            return _upcast_barrier(x, wide).astype(wide)
+            return upcast(_upcast_barrier(x, dtype), like=dtype)
         x, factor = _scale_barrier(x, scale)
-        return _scale_parts(x.astype(wide), factor.astype(dtype))
+        return _scale_parts(upcast(x, like=dtype), factor.astype(dtype))
 
     parts = [power_sum(prepared(arrays[i]), p) for i in alone]
     for bucket in buckets:
@@ -340,8 +340,9 @@ def _second_scale(total: jax.Array, p: float) -> jax.Array:
 
 
 def _from_peak(norm: jax.Array, peak: jax.Array) -> jax.Array:
-    """`norm` with the peak's rules: 0 for a zero peak, the peak where it is
-    inf or NaN."""
+    """`norm` with the peak's rules, the one place a NaN or inf entry
+    overrides a norm taken scaled by its peak: 0 for a zero peak, the peak
+    where it is inf or NaN."""
     norm = jnp.where(peak == 0, jnp.zeros_like(norm), norm)
     return jnp.where(jnp.isfinite(peak), norm, peak)
 
@@ -432,7 +433,7 @@ def _two_pass_norm(
         # With y = x s (s constant) the norm is R(y) / s and its tangent R'(y) dx.
         scale = jax.lax.stop_gradient(passes(primals[0])[1])
         one = jnp.ones_like(scale)
-        ys = [_scale_parts(_upcast(x), scale) for x in primals[0]]
+        ys = [_scale_parts(upcast(x), scale) for x in primals[0]]
         dots = [t.astype(y.dtype) for t, y in zip(tangents[0], ys, strict=True)]
         value, slope = jax.jvp(lambda ys: safe_root(summed(ys, one), p), (ys,), (dots,))
         return value / scale, slope
@@ -466,7 +467,12 @@ def _looped_passes(
     return total, scale
 
 
-# Norms over some axes of each leaf.
+# Norms over some axes of each leaf. The per-tensor helpers here and in the
+# rules (`_adagc._tensor_step`, `_agc._clip_units`, `_block_rms._rms_factor`,
+# `tree._norm._clip_factor`) are jitted at module level: inside a traced step
+# a jitted call of a shape seen before reuses its trace, so the step's trace
+# and compile time grow with the distinct shapes, not the tensors (compile
+# time counts as run time does; benchmarks/RESULTS.md, "What limits each case").
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -506,7 +512,7 @@ def norms(
                 out.append(_power_sum(x, q, axes, keep[i]))
                 continue
             x, scale = _scale_barrier(x, scales[i])
-            out.append(power_sum(_scale_parts(_upcast(x), scale), q, axes, keep[i]))
+            out.append(power_sum(_scale_parts(upcast(x), scale), q, axes, keep[i]))
         split = [leaf.split(axes) for leaf, axes in zip(items, reduced, strict=True)]
         op = jax.lax.pmax if q == math.inf else jax.lax.psum
         return complete(out, split, [leaf.split() for leaf in items], op)
@@ -567,7 +573,7 @@ def norm_of_norms(values: jax.Array, p: float = 2.0) -> jax.Array:
     scale = peak_scale(peak)
     values, factor = _scale_barrier(values, scale)
     total = safe_root(jnp.sum(powers(values * factor, p), axis=0), p) / scale
-    return jnp.where(jnp.isfinite(peak), total, jnp.sum(values, axis=0))
+    return _from_peak(total, peak)
 
 
 def total_norm(
@@ -592,28 +598,14 @@ def total_norm(
     scale = peak_scale(peak)
     sums = complete([jnp.sum(jnp.square(v * scale)) for v in parts], axes)
     total = jnp.sqrt(jnp.sum(jnp.stack(sums))) / scale
-    return jnp.where(jnp.isfinite(peak), total, peak), broken == 0
-
-
-def block(values: jax.Array, dim: int, names: MeshAxes, size: int) -> jax.Array:
-    """This device's block of `values` along `dim`, split in blocks of `size`
-    over the mesh axes `names` inside `shard_map` (`gathered`'s inverse);
-    `values` where it is one block."""
-    if values.shape[dim] == size:
-        return values
-    start = jax.lax.axis_index(names) * size
-    return jax.lax.dynamic_slice_in_dim(values, start, size, dim)
+    return _from_peak(total, peak), broken == 0
 
 
 def gathered(values: jax.Array, dim: int, names: MeshAxes) -> jax.Array:
     """`values`, split along `dim` over the mesh axes `names` (inside
-    `shard_map`), whole on every device: each device's block put in its place
-    in zeros, then summed, which `shard_map` knows to be replicated."""
-    local = values.shape[dim]
-    count = int(jax.lax.psum(1, names))  # the number of blocks, known when traced
-    shape = (*values.shape[:dim], local * count, *values.shape[dim + 1 :])
-    start = jax.lax.axis_index(names) * local
-    placed = jax.lax.dynamic_update_slice_in_dim(
-        jnp.zeros(shape, values.dtype), values, start, dim
-    )
-    return jax.lax.psum(placed, names)
+    `shard_map`), whole on every device (`Leaf.own`'s inverse), typed as the
+    same on each, as a state's `out_specs` need it: JAX 0.10 spells that
+    `all_gather(..., to="invarying")`, older ones `all_gather_invariant`."""
+    if hasattr(jax.lax, "all_gather_invariant"):
+        return jax.lax.all_gather_invariant(values, names, axis=dim, tiled=True)
+    return jax.lax.all_gather(values, names, axis=dim, tiled=True, to="invarying")

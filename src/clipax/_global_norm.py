@@ -14,7 +14,7 @@ from clipax import _checks, _engine, _leaves, _states
 from clipax.tree import _global_norm as tree_global_norm
 
 
-@_states.declare("clip_by_global_norm")
+@_states.declare("clip_by_global_norm", clip=("norm", "threshold"))
 class ClipByGlobalNormState(NamedTuple):
     """State of `clip_by_global_norm`: the norm it saw last, for logging.
 

@@ -12,11 +12,10 @@ None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +36,8 @@ ARRAY_LEAVES = (
     "clipax takes trees of arrays (jax.Array, numpy.ndarray, NumPy scalars or "
     "Python numbers); use None or optax.MaskedNode for empty leaves"
 )
+# What a layout argument other than `specs` and `stacked` describes, for messages.
+DESCRIBES = {"logit_specs": "`max_logits`"}
 STACKED_ACCEPTED = (
     "None, a pytree prefix of the updates holding per subtree an int k >= 0 "
     "(its leaves' k leading axes index stacked layers) or a `clipax.LayerAxes` "
@@ -57,21 +58,52 @@ def path_keys(path: KeyPath) -> list[str]:
     ]
 
 
+def prefixes(path: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """The paths at and above `path`, nearest first (the root last): the one
+    place a path is read as below another."""
+    return [tuple(path[:end]) for end in range(len(path), -1, -1)]
+
+
+def child_of(path: KeyPath, root: KeyPath) -> str | None:
+    """The name of the child of `root` that `path` lies under, or None."""
+    below = len(path) > len(root) and root in prefixes(path)
+    return path_keys(path[len(root) : len(root) + 1])[0] if below else None
+
+
+def rewrap(node: Any, value: Any) -> Any:
+    """`value` in the wrapper `node` (`is_wrapper`) in place of its array."""
+    return jax.tree.unflatten(jax.tree.structure(node), [value])
+
+
 def is_empty(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
+def imported(module: str) -> Any:
+    """The `module` where the program has imported it, else None. clipax
+    depends on jax, optax and chex alone (DESIGN.md, "Dependencies"): a
+    container of Flax, NNX or haliax exists only where its library was
+    imported, so that is where clipax looks for one, never importing it."""
+    return sys.modules.get(module)
+
+
 def is_variable(node: Any) -> bool:
-    """Whether `node` is a Flax NNX variable (only where the program has
-    imported NNX: no variable exists otherwise)."""
-    nnx = sys.modules.get("flax.nnx")
+    """Whether `node` is a Flax NNX variable."""
+    nnx = imported("flax.nnx")
     return nnx is not None and isinstance(node, nnx.Variable)
 
 
 def is_named(node: Any) -> bool:
-    """Whether `node` is a haliax `NamedArray` (only where haliax is imported)."""
-    hax = sys.modules.get("haliax")
+    """Whether `node` is a haliax `NamedArray`."""
+    hax = imported("haliax")
     return hax is not None and isinstance(node, hax.NamedArray)
+
+
+def is_box(node: Any) -> bool:
+    """Whether `node` is a Flax linen box (`nn.Partitioned`,
+    `nn.LogicallyPartitioned`): an array with names for its axes, which
+    `stacked_prefix` reads; a pytree node elsewhere."""
+    return hasattr(node, "unbox") and hasattr(node, "names")
 
 
 def is_wrapper(node: Any) -> bool:
@@ -85,8 +117,10 @@ def is_wrapper(node: Any) -> bool:
 
 
 def unwrap(node: Any) -> Any:
-    """A wrapper's array (an NNX variable's value: `get_value` from Flax
-    0.12, `.value` before); any other node as it is."""
+    """A wrapper's or a linen box's array (an NNX variable's value:
+    `get_value` from Flax 0.12, `.value` before); any other node as it is."""
+    if is_box(node):
+        return node.unbox()
     if is_named(node):
         return node.array
     if not is_variable(node):
@@ -162,9 +196,11 @@ class Leaf:
     dims: tuple[MeshAxes, ...] | None = None  # inside shard_map/pmap: per
     # dimension, the mesh axes that split it (from `specs`; () where JAX's
     # types prove the leaf whole); None outside, or where it is not known
-    anywhere: MeshAxes = ()  # `axis_name`: axes splitting some dimension
-    unknown: MeshAxes = ()  # manual mesh axes it may be split over, unsaid
-    said: str = "specs"  # the argument that would say it
+    fsdp_axes: MeshAxes = ()  # from `axis_name`: axes that split some
+    # dimension, unknown which (only a whole-leaf reduction can use them)
+    unsaid_axes: MeshAxes = ()  # the manual mesh axes it may be split over,
+    # where nobody said how
+    argument: str = "specs"  # the argument that would say it
     node: Any = None  # the wrapper holding `x` (`is_wrapper`), or None
     root: KeyPath | None = None  # where its stack starts: its `stacked=` entry
 
@@ -210,6 +246,17 @@ class Leaf:
         shape = [n if d in axes else 1 for d, n in enumerate(self.x.shape)]
         return jnp.transpose(values, np.argsort(axes).tolist()).reshape(shape)
 
+    def own(self, whole: jax.Array, axes: Sequence[int]) -> jax.Array:
+        """`whole`, whose dims are the whole tensor's `axes` of this leaf, cut
+        to this device's block of them inside `shard_map` (where the spec
+        splits them); as it is elsewhere."""
+        for i, d in enumerate(axes):
+            names, size = (self.dims[d] if self.dims else ()), self.x.shape[d]
+            if whole.shape[i] != size:
+                start = jax.lax.axis_index(names) * size
+                whole = jax.lax.dynamic_slice_in_dim(whole, start, size, i)
+        return whole
+
     def split(self, axes: Sequence[int] | None = None) -> MeshAxes:
         """The mesh axes that split any of `axes` (all of its axes for None).
 
@@ -217,20 +264,20 @@ class Leaf:
           ValueError: naming the leaf, the mesh axes and the arguments to
             pass, inside `shard_map` where nobody said how it is split.
         """
-        if self.unknown:
+        if self.unsaid_axes:
             raise ValueError(
                 f"clipax cannot tell how the leaf at {path_str(self.path)} (its block "
-                f"{tuple(self.x.shape)}) is split across the mesh axes {self.unknown} "
-                f"of this shard_map (or pmap), and a reduction of a block is not the "
-                "tensor's: "
-                f"pass `{self.said}=` (the `in_specs` you gave shard_map for this "
+                f"{tuple(self.x.shape)}) is split across the mesh axes "
+                f"{self.unsaid_axes} of this shard_map (or pmap), and a reduction of "
+                "a block is not the tensor's: "
+                f"pass `{self.argument}=` (the `in_specs` you gave shard_map for this "
                 "tree; `PartitionSpec()` for a leaf whole on every device, as after "
                 "`lax.pmean`), or `axis_name=` where every leaf is split over one "
                 "mesh axis. JAX's types prove a leaf whole only with `check_vma=True`."
             )
         chosen = range(self.x.ndim) if axes is None else axes
         dims = self.dims or ((),) * self.x.ndim
-        return tuple(sorted({n for d in chosen for n in dims[d]} | {*self.anywhere}))
+        return tuple(sorted({n for d in chosen for n in dims[d]} | {*self.fsdp_axes}))
 
     def size(self, axes: Sequence[int]) -> int:
         """How many elements `axes` span in the whole tensor, not the block
@@ -239,7 +286,7 @@ class Leaf:
         dims = self.dims or ((),) * self.x.ndim
         split = {n for d in axes for n in dims[d]}
         if len(set(axes)) == self.x.ndim:
-            split |= set(self.anywhere)
+            split |= set(self.fsdp_axes)
         mesh = jax.sharding.get_abstract_mesh()
         return math.prod(self.x.shape[d] for d in axes) * math.prod(
             mesh.shape[n] for n in split
@@ -273,11 +320,22 @@ class Leaves(list[Leaf]):
                 return v
             if batched:
                 return type(leaf.node)(v, leaf.node.axes[1:])
-            return jax.tree.unflatten(jax.tree.structure(leaf.node), [v])
+            return rewrap(leaf.node, v)
 
         return jax.tree.unflatten(
             self.treedef, [wrap(leaf, v) for leaf, v in zip(self, values, strict=True)]
         )
+
+    @property
+    def records(self) -> Any:
+        """These records in the tree's containers (a wrapper's place holding
+        its leaf's): what `jax.tree.map` reads beside per-tensor statistics."""
+        return jax.tree.unflatten(self.treedef, list(self))
+
+    def read(self, fn_name: str, tree: Any, stacks: Stacks | None = None) -> Any:
+        """A per-tensor field of a state, checked to be these leaves'
+        (`check_state`), as `stats` builds one."""
+        return self.stats(check_state(fn_name, self, tree, stacks))
 
     def stats(self, values: Iterable[Any]) -> Any:
         """A per-tensor statistic: the tree with `values` (one per leaf, shaped
@@ -338,7 +396,7 @@ def leaves(
     specs: Any = None,
     axis_name: MeshAxes = (),
     batched: bool = False,
-    said: str = "specs",
+    argument: str = "specs",
 ) -> Leaves:
     """`tree`'s leaves as records, each checked to be readable.
 
@@ -353,7 +411,7 @@ def leaves(
       specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
       batched: the leaves hold per-example values on axis 0, of one size;
         `stacked` then describes the axes after it.
-      said: the argument that gives `specs`, for messages.
+      argument: the argument that gives `specs`, for messages.
 
     Raises:
       TypeError: naming the leaf, if it is not an array of `kind`.
@@ -384,7 +442,7 @@ def leaves(
             stacked = stacked(tree)
         items = _stack(stacked, tree, items, int(batched))
     if specs is not None or axis_name:
-        items = _place(specs, axis_name, tree, items, said)
+        items = _place(specs, axis_name, tree, items, argument)
         split = {leaf.dims[0] for leaf in items if batched and leaf.dims}
         if len(split) > 1:  # each device must hold the same examples of each
             raise ValueError(
@@ -396,7 +454,7 @@ def leaves(
         items = [
             dataclasses.replace(leaf, dims=((),) * leaf.x.ndim)
             if known and not varying(leaf.x)
-            else dataclasses.replace(leaf, unknown=manual, said=said)
+            else dataclasses.replace(leaf, unsaid_axes=manual, argument=argument)
             for leaf in items
         ]
     return Leaves(items, treedef)
@@ -431,15 +489,34 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec()))
 
 
+@dataclasses.dataclass(frozen=True)
+class Reader:
+    """`leaves` with one rule's layout arguments, checked once where the rule
+    is made (`reader`): the one way a rule reads a tree."""
+
+    fn_name: str
+    stacked: Any = None
+    specs: Any = None
+    axis_name: MeshAxes = ()
+
+    def __call__(self, tree: Any, **kwargs: Any) -> Leaves:
+        return leaves(
+            tree,
+            self.fn_name,
+            stacked=self.stacked,
+            specs=self.specs,
+            axis_name=self.axis_name,
+            **kwargs,
+        )
+
+
 def reader(
     fn_name: str, *, stacked: Any = None, specs: Any = None, axis_name: Any = None
-) -> Callable[..., Leaves]:
-    """`leaves` with one rule's arguments, `axis_name` checked (against
-    `stacked`) once, where the rule is made."""
+) -> Reader:
+    """A rule's `Reader`, `axis_name` normalised (and checked against
+    `stacked`) here."""
     _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    return functools.partial(
-        leaves, fn_name=fn_name, stacked=stacked, specs=specs, axis_name=names
-    )
+    return Reader(fn_name, stacked, specs, names)
 
 
 def entries(
@@ -468,11 +545,10 @@ def entries(
                 f"{short_repr(entry)}."
             )
     table = {tuple(path): (entry, tuple(path)) for path, entry in flat}
-    of = "`max_logits`" if name == "logit_specs" else "the updates"
+    of = DESCRIBES.get(name, "the updates")
     out = []
     for leaf in items:
-        above = [leaf.path[:end] for end in range(len(leaf.path), -1, -1)]
-        found = next((table[p] for p in above if p in table), None)
+        found = next((table[p] for p in prefixes(leaf.path) if p in table), None)
         if found is None:
             raise ValueError(
                 f"`{name}` has no {what} for the leaf at {path_str(leaf.path)} (shape "
@@ -482,12 +558,12 @@ def entries(
     nodes: set[KeyPath] = set()
     empty: set[KeyPath] = set()
     for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty)[0]:
-        nodes.update(path[:end] for end in range(len(path) + 1))
+        nodes.update(prefixes(path))
         if is_empty(x):
             empty.add(path)
     for path in table:  # in the prefix's order, so one error names one entry
         if path not in nodes and not any(
-            path[:end] in empty for end in range(len(path))
+            above in empty for above in prefixes(path)[1:]
         ):
             raise ValueError(
                 f"`{name}` holds an entry at {path_str(path)}, where {of} have "
@@ -562,24 +638,27 @@ def _is_spec(node: Any) -> bool:
 
 
 def _place(
-    specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf], said: str
+    specs: Any, axis_name: MeshAxes, tree: Any, items: list[Leaf], argument: str
 ) -> list[Leaf]:
     """`items` with the mesh axes that split each dimension, from `specs` (a
-    prefix of PartitionSpecs; the argument `said`), and `axis_name`'s, which
+    prefix of PartitionSpecs; the argument `argument`), and `axis_name`'s, which
     split some dimension (only a whole-leaf reduction can use them)."""
     found: list[tuple[Any, KeyPath]] = [(None, ())] * len(items)
     if specs is not None:
         accepted = "a tree of jax.sharding.PartitionSpec (a prefix of the tree)"
-        found = entries(said, specs, tree, items, _is_spec, "PartitionSpec", accepted)
+        found = entries(
+            argument, specs, tree, items, _is_spec, "PartitionSpec", accepted
+        )
     typed = bool(manual := manual_axes()) and types_checked(manual)
     out = []
     for leaf, (spec, _) in zip(items, found, strict=True):
         spec, where = tuple(spec or ()), path_str(leaf.path)
+        shown = f"P({', '.join(map(repr, spec))})"  # as every JAX version prints it
         if len(spec) > leaf.x.ndim:
             raise ValueError(
-                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
-                f"has rank {leaf.x.ndim}: a PartitionSpec may not be longer than the "
-                "rank."
+                f"`{argument}` gives {shown} to the leaf at {where}, "
+                f"which has rank {leaf.x.ndim}: a PartitionSpec may not be longer "
+                "than the rank."
             )
         if axis_name and not leaf.x.ndim:
             raise ValueError(
@@ -595,13 +674,14 @@ def _place(
         unsaid = set(varying(leaf.x) if typed else ()) - {*axis_name, *sum(dims, ())}
         if unsaid:
             raise ValueError(
-                f"`{said}` gives {PartitionSpec(*spec)} to the leaf at {where}, which "
-                f"JAX's types show varying over the mesh axes {sorted(unsaid)} of this "
-                "shard_map: split there, or different on each device, where "
-                f"`{said}` says it is the same. Pass the `in_specs` you gave "
+                f"`{argument}` gives {shown} to the leaf at {where}, "
+                "which JAX's types show varying over the mesh axes "
+                f"{sorted(unsaid)} of this shard_map: split there, or different on "
+                "each device, where "
+                f"`{argument}` says it is the same. Pass the `in_specs` you gave "
                 "shard_map for it, or make it whole first (`lax.pmean`)."
             )
-        out.append(dataclasses.replace(leaf, dims=dims, anywhere=axis_name))
+        out.append(dataclasses.replace(leaf, dims=dims, fsdp_axes=axis_name))
     return out
 
 
@@ -661,8 +741,8 @@ def params_of(items: Leaves, updates: Any, params: Any, fn_name: str) -> list[An
     """
     if params is None:
         raise ValueError(
-            f"`{fn_name}` clips each update against the norm of its parameter, so "
-            "`update` needs `params`; got params=None. Call "
+            f"`{fn_name}` reads the parameter beside each update, so `update` "
+            "needs `params`; got params=None. Call "
             "`tx.update(updates, state, params)`."
         )
     treedef = jax.tree.structure(updates, is_leaf=is_empty)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -16,6 +15,7 @@ from clipax._checks import is_traced, is_transformation, short_repr
 from clipax._leaves import (
     Stacks,
     flat_keys,
+    imported,
     is_wrapper,
     manual_axes,
     path_str,
@@ -146,8 +146,9 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
         and hasattr(v, "dtype")
         and np.shape(v) == ()
     }
-    if "norm" in scalars and "threshold" in scalars:
-        scalars |= _clip_facts(scalars["norm"], scalars["threshold"])
+    norm, threshold = declared.clip or ("", "")
+    if norm in scalars:
+        scalars |= _clip_facts(scalars[norm], scalars[threshold])
     arrays = list(scalars.values())
     where = {k: (j, None) for j, k in enumerate(scalars)}
     tensors: dict[str, tuple[Any, list[tuple[str, int]]]] = {}
@@ -173,9 +174,12 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
             [replicated(jnp.asarray(v)).reshape(-1) for v in values] or [jnp.zeros(0)]
         )
         tensors[stat] = (vector, _keyed(paths, shapes, depths, heads))
-    if "norm" in tensors and "threshold" in tensors:
-        facts = _clip_facts(tensors["norm"][0], tensors["threshold"][0])
-        tensors |= {k: (v, tensors["norm"][1]) for k, v in facts.items()}
+    if norm in declared.per_tensor:
+        n, t = (
+            tensors[declared.per_tensor[norm]],
+            tensors[declared.per_tensor[threshold]],
+        )
+        tensors |= {k: (v, n[1]) for k, v in _clip_facts(n[0], t[0]).items()}
     for stat, (vector, entries) in tensors.items():
         arrays.append(vector)
         for joined, flat_index in entries:
@@ -298,7 +302,7 @@ def metrics(opt_state: Any) -> Metrics:
       >>> float(logs["zclip/norm"]), float(logs["clip_by_global_norm/clip_factor"])
       (5.0, 0.2)
     """
-    nnx = sys.modules.get("flax.nnx")
+    nnx = imported("flax.nnx")
     if nnx is not None and isinstance(opt_state, nnx.Optimizer):
         opt_state = opt_state.opt_state
     _check_state(opt_state)

@@ -27,6 +27,9 @@ from clipax._leaves import Leaves, path_str
 F = TypeVar("F", bound=Callable[..., Any])
 
 MARKER = "(nonfinite='error')"
+# A check that raised with no `nonfinite_errors` waiting reaches the user as
+# JAX's `JaxRuntimeError`, our message inside its text and our class gone:
+# the one way back to a `NonFiniteError` is to read the message.
 _MESSAGE = re.compile(r"NonFiniteError: ([^\n]*" + re.escape(MARKER) + r"\.?)")
 
 

@@ -1,6 +1,6 @@
 """QK-Clip (Kimi K2's MuonClip): attention heads' query and key weights rescaled
-after the optimizer step, so that each head's largest logit is at most the
-threshold."""
+after the optimizer step, so that each head's largest logit (of the step's own
+forward pass) comes down to the threshold (docs/qk-clip.md)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,248 @@ class QKClipState(NamedTuple):
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
-class _Module(NamedTuple):
+class Config(NamedTuple):
+    """`qk_clip`'s arguments, checked."""
+
+    threshold: Any
+    alpha: float
+    query: str
+    key: str
+    head_axis: int
+    rope_dim: int
+    key_dim: int | None
+    gqa: str
+    logit_specs: Any
+    axis_name: tuple[str, ...]
+
+
+class Module(NamedTuple):
+    """An attention module: its path, its query leaves and its key leaves,
+    and the layers and heads of its whole tensors (not a block's)."""
+
     path: KeyPath
-    parts: tuple[list[Leaf], list[Leaf]]  # its query leaves and its key leaves
-    layers: tuple[int, ...]
+    query: list[Leaf]
+    key: list[Leaf]
+    whole_layers: tuple[int, ...]
     heads: tuple[int, int]  # query heads, key heads
+
+
+def is_module(node: Any, config: Config) -> bool:
+    """Whether `node` holds a query and a key projection."""
+    if hasattr(node, "dtype") or _leaves.is_wrapper(node):
+        return False
+    names = {_states.key_name(k) for k, _ in _states.children(node)[0]}
+    return {config.query, config.key} <= names
+
+
+def head_axes(leaf: Leaf, config: Config) -> list[int]:
+    """A projection leaf's layer axes, then its heads' axis."""
+    return [*leaf.layer_axes, *leaf.within((config.head_axis,), "head_axis")]
+
+
+def modules(tree: Any, leaves: _leaves.Leaves, config: Config) -> list[Module]:
+    """Every attention module of `tree`, with its leaves in `leaves`.
+
+    Raises:
+      ValueError: if `tree` holds no module, or a module's projections
+        differ in layers or heads (naming it).
+    """
+    is_leaf = lambda x: is_module(x, config)  # noqa: E731
+    found = []
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    for path in [p for p, x in flat if is_leaf(x)]:
+        parts = [
+            [x for x in leaves if _leaves.child_of(x.path, path) == name]
+            for name in (config.query, config.key)
+        ]
+        shapes = [
+            {tuple(x.size([a]) for a in head_axes(x, config)) for x in p} for p in parts
+        ]
+        if all(len(s) == 1 for s in shapes):
+            (*layers, nq), (*k_layers, nk) = (next(iter(s)) for s in shapes)
+            if layers == k_layers and nq % nk == 0:
+                found.append(Module(path, parts[0], parts[1], tuple(layers), (nq, nk)))
+                continue
+        raise ValueError(
+            f"`qk_clip` needs, in the attention module at {path_str(path)}, "
+            "query and key leaves of one layer count, whose key heads divide "
+            f"the query heads (GQA); got (layers..., heads) {sorted(shapes[0])} "
+            f"and {sorted(shapes[1])}."
+        )
+    if not found:
+        raise ValueError(
+            f"`qk_clip` found no attention module in `params`: no node holds a "
+            f"{config.query!r} and a {config.key!r} child (name them with `query=`, "
+            "`key=`)."
+        )
+    return found
+
+
+def module_logits(m: Module, records: _leaves.Leaves, config: Config) -> jax.Array:
+    """The module's largest logit per layer and head, whole on every device:
+    the logits found below its path (a linen `sow`'s tuple: their max),
+    reduced over every axis but the leading layers and the last (the batch,
+    over the mesh axes that split it), the rest gathered.
+
+    Raises:
+      ValueError: naming the module, if no array or several are found below
+        its path, or their shape does not fit its layers and heads.
+    """
+    # Compared as names: the logits' containers need not be the params' own.
+    keys = tuple(_leaves.path_keys(m.path))
+    below = [r for r in records if keys in _leaves.prefixes(_leaves.path_keys(r.path))]
+    homes = {"/".join(_leaves.path_keys(_unsown(r.path))) for r in below}
+    if len(homes) != 1:
+        found = homes or {"/".join(_leaves.path_keys(_unsown(r.path))) for r in records}
+        raise ValueError(
+            f"`max_logits` holds {'several arrays' if homes else 'no array'} for "
+            f"the attention module at {path_str(m.path)}, where it must mirror "
+            f"`params` (docs/qk-clip.md); its entries are at {sorted(found)[:4]}."
+        )
+    x = jnp.stack([jnp.asarray(r.x, jnp.float32) for r in below]).max(0)
+    n, first = len(m.whole_layers), below[0]
+    leads = {leaf.x.shape[0] for leaf in m.query + m.key if leaf.x.ndim}
+    if not n and x.ndim > 2 and leads == {x.shape[0]}:
+        raise ValueError(
+            f"`qk_clip` reads the attention module at {path_str(m.path)} as one "
+            f"layer, but its projections and `max_logits` (shape {x.shape}) share "
+            f"a leading axis of {x.shape[0]}: a scanned module, whose layers the "
+            "max over the batch would merge. Pass `stacked=` (e.g. "
+            "`clipax.stacked_prefix(params, ...)`); if that axis is no layer "
+            "axis, fold it into the batch axis of `max_logits`."
+        )
+    dims = first.dims if config.logit_specs is not None and first.dims else ()
+    s = x
+    if x.ndim > n:
+        batch = tuple(range(n, x.ndim - 1))
+        # The batch may be split across devices: the max over its mesh axes.
+        fsdp = config.axis_name and config.logit_specs is None
+        split = config.axis_name if fsdp else first.split(batch)
+        s = _engine.pmax_all(jnp.max(x, axis=batch), [split])
+        for i, d in enumerate([*range(n), x.ndim - 1] if dims else ()):
+            s = _engine.gathered(s, i, dims[d]) if dims[d] else s
+    if s.shape != (*m.whole_layers, m.heads[0]):
+        q = m.query[0]
+        raise ValueError(
+            f"`max_logits` for the attention module at {path_str(m.path)} has "
+            f"shape {x.shape}; it needs the module's layers {m.whole_layers} first "
+            f"and its {m.heads[0]} query heads last: the heads read on axis "
+            f"{head_axes(q, config)[-1]} (`head_axis`={config.head_axis}) of the "
+            f"query leaf at {path_str(q.path)}, shape {tuple(q.x.shape)}."
+        )
+    return _leaves.replicated(s)
+
+
+def head_scales(
+    s: jax.Array, heads: tuple[int, int], config: Config
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The query heads' scale, the key heads' and each query head's `eta`
+    (`threshold / S` where its largest logit `S` is over the threshold, else
+    1; with `gqa="group"`, its group's hottest): a group's key by its hottest
+    head's `eta**(1 - alpha)`, each query head as little as it can so that
+    its logit comes down to `eta` times itself, never grown."""
+    (nq, nk), tau = heads, jnp.asarray(config.threshold, jnp.float32)
+    over = jnp.isfinite(s) & (s > tau)
+    eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
+    hottest = jnp.min(eta.reshape(*s.shape[:-1], nk, nq // nk), axis=-1)
+    if config.gqa == "group":  # Megatron-LM: a group's heads all by its hottest
+        eta = jnp.repeat(hottest, nq // nk, axis=-1)
+    k_scale = hottest ** (1 - config.alpha)
+    q_scale = jnp.minimum(eta / jnp.repeat(k_scale, nq // nk, axis=-1), 1)
+    return q_scale, k_scale, eta
+
+
+class Tail(NamedTuple):
+    """Part of each head, on the axis after the heads, scaled apart: the
+    trailing `size` entries (`trailing`), or the entries from `size` on."""
+
+    scale: jax.Array
+    size: int
+    trailing: bool
+
+
+def rescaled(
+    leaf: Leaf, w: Any, per_head: jax.Array, config: Config, tail: Tail | None
+) -> Any:
+    """`leaf`'s update such that the parameter `w` plus it is `w` plus the
+    incoming update scaled by `per_head` (by `tail.scale` in a head's tail);
+    where the scale is 1, the incoming update itself."""
+    axes = head_axes(leaf, config)
+    if tail is not None:
+        inner = leaf.inner
+        if inner.index(axes[-1]) + 1 == len(inner):
+            raise ValueError(
+                f"`qk_clip` splits a head of the leaf at {path_str(leaf.path)} "
+                f"(`rope_dim`, `key_dim`) on the axis after `head_axis`, and its "
+                f"shape {tuple(leaf.x.shape)} has none."
+            )
+        axes.append(inner[inner.index(axes[-1]) + 1])
+        size = leaf.size(axes[-1:])
+        start = size - tail.size if tail.trailing else tail.size
+        in_tail = jnp.arange(size) >= start
+        per_head = jnp.where(in_tail, tail.scale[..., None], per_head[..., None])
+    scale = leaf.broadcast(leaf.own(per_head, axes), axes)
+    w = _engine.upcast(jnp.asarray(w), leaf.x.dtype)
+    clipped = (w + _engine.upcast(leaf.x, leaf.x.dtype)) * scale - w
+    return jnp.where(scale == 1, leaf.x, clipped.astype(leaf.x.dtype))
+
+
+def read_logits(max_logits: Any, config: Config) -> _leaves.Leaves:
+    """`max_logits` as records, an NNX intermediate's `sow` tuple its node.
+
+    Raises:
+      ValueError: if `max_logits` is None.
+      TypeError: naming the entry, if it holds a non-float array.
+    """
+    if max_logits is None:
+        raise ValueError(
+            "`qk_clip` rescales heads by the step's largest attention logits: "
+            "call `tx.update(updates, state, params, max_logits=...)`."
+        )
+    sown = jax.tree.map(_leaves.unwrap, max_logits, is_leaf=_leaves.is_wrapper)
+    return _leaves.leaves(
+        sown, "qk_clip", kind="logits", specs=config.logit_specs, argument="logit_specs"
+    )
+
+
+def clip_module(
+    m: Module, s: jax.Array, out: dict, weights: dict, config: Config
+) -> tuple[jax.Array, jax.Array]:
+    """The module's projections rescaled in `out` (by path) by the largest
+    logits `s`, their parameters `weights` (by path); its logged peaks and
+    clipped heads, this device's block of them."""
+    q_scale, k_scale, eta = head_scales(s, m.heads, config)
+    rope = Tail(eta, config.rope_dim, True) if config.rope_dim else None
+    fused = None  # a fused key-value head: its values, after `key_dim`, unscaled
+    if config.key_dim is not None:
+        fused = Tail(jnp.ones_like(k_scale), config.key_dim, False)
+    for part, scale, tail in ((m.query, q_scale, rope), (m.key, k_scale, fused)):
+        for leaf in part:
+            out[leaf.path] = rescaled(leaf, weights[leaf.path], scale, config, tail)
+    layers, first = m.query[0].layer_axes, m.query[0]
+    clipped = jnp.sum(eta < 1, -1, dtype=jnp.int32)
+    return first.own(s, layers), first.own(clipped, layers)
+
+
+def zero_stats(found: list[Module]) -> tuple[dict, dict]:
+    """Each module's largest logits and clipped heads before any step."""
+    layers = {m.path: (m.query[0].layers, m.heads[0]) for m in found}
+    peaks = {p: jnp.zeros((*n, h), jnp.float32) for p, (n, h) in layers.items()}
+    return peaks, {p: jnp.zeros(n, jnp.int32) for p, (n, _) in layers.items()}
+
+
+def state_of(
+    tree: Any, found: list[Module], config: Config, peaks: dict, counts: dict
+) -> QKClipState:
+    """The state: `peaks` and `counts` (per module path) in `tree`'s
+    containers, each module's stack where its query's starts."""
+    is_leaf = lambda x: is_module(x, config) or _leaves.is_wrapper(x)  # noqa: E731
+    at = jax.tree_util.tree_map_with_path
+    return QKClipState(
+        at(lambda p, _: peaks.get(p), tree, is_leaf=is_leaf),
+        at(lambda p, _: counts.get(p), tree, is_leaf=is_leaf),
+        _leaves.Leaves([m.query[0] for m in found], None).stacks,
+    )
 
 
 def qk_clip(
@@ -102,181 +339,25 @@ def qk_clip(
     References:
       Kimi Team, `Kimi K2 <https://arxiv.org/abs/2507.20534>`_, 2025.
     """
-    threshold = _checks.positive("threshold", threshold)
-    alpha = _checks.number("alpha", alpha, "a real number in [0, 1]", low=0, high=1)
-    head_axis = _checks.integer("head_axis", head_axis, minimum=-64)
-    rope_dim = _checks.integer("rope_dim", rope_dim, minimum=0)
-    if key_dim is not None:
-        key_dim = _checks.integer("key_dim", key_dim)
-    gqa = _checks.choice("gqa", gqa, ("head", "group"))
     checked = _leaves.reader(
         "qk_clip", stacked=stacked, specs=specs, axis_name=axis_name
     )
-    names = _checks.axis_name(axis_name)
-
-    def is_module(node: Any) -> bool:
-        if hasattr(node, "dtype") or _leaves.is_wrapper(node):
-            return False
-        children = _states.children(node)[0]
-        return {query, key} <= {_states.key_name(k) for k, _ in children}
-
-    def axes_of(leaf: Leaf) -> list[int]:
-        """A projection leaf's layer axes, then its heads' axis."""
-        return [*leaf.layer_axes, *leaf.within((head_axis,), "head_axis")]
-
-    def role(path: KeyPath, name: str, leaves: _leaves.Leaves) -> list[Leaf]:
-        """The leaves under the module at `path`'s child `name`."""
-        n = len(path)
-        return [
-            x
-            for x in leaves
-            if len(x.path) > n
-            and x.path[:n] == path
-            and _states.key_name(x.path[n]) == name
-        ]
-
-    def modules(tree: Any, leaves: _leaves.Leaves) -> list[_Module]:
-        """Every attention module of `tree`, with its leaves in `leaves`, its
-        layers and heads those of the whole tensors.
-
-        Raises:
-          ValueError: if `tree` holds no module, or a module's projections
-            differ in layers or heads (naming it).
-        """
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_module)[0]
-        found = []
-        for path in [p for p, x in flat if is_module(x)]:
-            parts = (role(path, query, leaves), role(path, key, leaves))
-            shapes = [
-                {tuple(x.size([a]) for a in axes_of(x)) for x in p} for p in parts
-            ]
-            if all(len(s) == 1 for s in shapes):
-                (*layers, nq), (*k_layers, nk) = (s.pop() for s in map(set, shapes))
-                if layers == k_layers and nq % nk == 0:
-                    found.append(_Module(path, parts, tuple(layers), (nq, nk)))
-                    continue
-            raise ValueError(
-                f"`qk_clip` needs, in the attention module at {path_str(path)}, "
-                "query and key leaves of one layer count, whose key heads divide "
-                f"the query heads (GQA); got (layers..., heads) {sorted(shapes[0])} "
-                f"and {sorted(shapes[1])}."
-            )
-        if not found:
-            raise ValueError(
-                f"`qk_clip` found no attention module in `params`: no node holds a "
-                f"{query!r} and a {key!r} child (name them with `query=`, `key=`)."
-            )
-        return found
-
-    def logits_of(m: _Module, records: _leaves.Leaves) -> jax.Array:
-        """The module's largest logit per layer and head, whole on every
-        device: the logits found below its path (a linen `sow`'s tuple: their
-        max), reduced over every axis but the leading layers and the last
-        (the batch, over the mesh axes that split it), the rest gathered.
-
-        Raises:
-          ValueError: naming the module, if no array or several are found
-            below its path, or their shape does not fit its layers and heads.
-        """
-        mine = _leaves.path_keys(m.path)
-        below = [r for r in records if _leaves.path_keys(r.path)[: len(mine)] == mine]
-        homes = {"/".join(_leaves.path_keys(_unsown(r.path))) for r in below}
-        if len(homes) != 1:
-            found = homes or {
-                "/".join(_leaves.path_keys(_unsown(r.path))) for r in records
-            }
-            raise ValueError(
-                f"`max_logits` holds {'several arrays' if homes else 'no array'} for "
-                f"the attention module at {path_str(m.path)}, where it must mirror "
-                f"`params` (docs/qk-clip.md); its entries are at {sorted(found)[:4]}."
-            )
-        x = jnp.stack([jnp.asarray(r.x, jnp.float32) for r in below]).max(0)
-        n, first = len(m.layers), below[0]
-        leads = {leaf.x.shape[0] for part in m.parts for leaf in part if leaf.x.ndim}
-        if not n and x.ndim > 2 and leads == {x.shape[0]}:
-            raise ValueError(
-                f"`qk_clip` reads the attention module at {path_str(m.path)} as one "
-                f"layer, but its projections and `max_logits` (shape {x.shape}) share "
-                f"a leading axis of {x.shape[0]}: a scanned module, whose layers the "
-                "max over the batch would merge. Pass `stacked=` (e.g. "
-                "`clipax.stacked_prefix(params, ...)`); if that axis is no layer "
-                "axis, fold it into the batch axis of `max_logits`."
-            )
-        dims = first.dims if logit_specs is not None and first.dims else ()
-        s = x
-        if x.ndim > n:
-            batch = tuple(range(n, x.ndim - 1))
-            # The batch may be split across devices: the max over its mesh axes.
-            split = names if names and logit_specs is None else first.split(batch)
-            s = _engine.pmax_all(jnp.max(x, axis=batch), [split])
-            for i, d in enumerate([*range(n), x.ndim - 1] if dims else ()):
-                s = _engine.gathered(s, i, dims[d]) if dims[d] else s
-        if s.shape != (*m.layers, m.heads[0]):
-            q = m.parts[0][0]
-            raise ValueError(
-                f"`max_logits` for the attention module at {path_str(m.path)} has "
-                f"shape {x.shape}; it needs the module's layers {m.layers} first "
-                f"and its {m.heads[0]} query heads last: the heads read on axis "
-                f"{axes_of(q)[-1]} (`head_axis`={head_axis}) of the query leaf at "
-                f"{path_str(q.path)}, shape {tuple(q.x.shape)}."
-            )
-        return _leaves.replicated(s)
-
-    def mine(leaf: Leaf, whole: jax.Array, axes: list[int]) -> jax.Array:
-        """`whole`, whose dims are the leaf's `axes` whole, cut to the leaf's
-        block inside `shard_map`."""
-        for i, d in enumerate(axes):
-            split = leaf.dims[d] if leaf.dims else ()
-            whole = _engine.block(whole, i, split, leaf.x.shape[d])
-        return whole
-
-    def state_of(tree: Any, found: list[_Module], *stats: dict) -> QKClipState:
-        """The state: `stats` (per module path) in `tree`'s containers, each
-        module's stack where its query's starts."""
-        peaks, counts = (
-            jax.tree_util.tree_map_with_path(
-                lambda p, _, v=v: v.get(p),
-                tree,
-                is_leaf=lambda x: is_module(x) or _leaves.is_wrapper(x),
-            )
-            for v in stats
-        )
-        stacks = _leaves.Leaves([m.parts[0][0] for m in found], None).stacks
-        return QKClipState(peaks, counts, stacks)
+    config = Config(
+        _checks.positive("threshold", threshold),
+        _checks.number("alpha", alpha, "a real number in [0, 1]", low=0, high=1),
+        query,
+        key,
+        _checks.integer("head_axis", head_axis, minimum=-64),
+        _checks.integer("rope_dim", rope_dim, minimum=0),
+        None if key_dim is None else _checks.integer("key_dim", key_dim),
+        _checks.choice("gqa", gqa, ("head", "group")),
+        logit_specs,
+        checked.axis_name,
+    )
 
     def init_fn(params: optax.Params) -> QKClipState:
-        found = modules(params, checked(params))
-        layers = {m.path: (m.parts[0][0].layers, m.heads[0]) for m in found}
-        return state_of(
-            params,
-            found,
-            {p: jnp.zeros((*n, h), jnp.float32) for p, (n, h) in layers.items()},
-            {p: jnp.zeros(n, jnp.int32) for p, (n, _) in layers.items()},
-        )
-
-    def rescaled(leaf: Leaf, w: Any, base: jax.Array, rest: Any, cut: Any) -> Any:
-        """`leaf`'s update such that the parameter `w` plus it is `w` plus the
-        incoming update, scaled by `base` per head (by `rest` in a head's
-        entries from `cut` on, on the axis after the heads, where given);
-        where the scale is 1, the incoming update itself."""
-        axes = axes_of(leaf)
-        if cut is not None:
-            inner = leaf.inner
-            if inner.index(axes[-1]) + 1 == len(inner):
-                raise ValueError(
-                    f"`qk_clip` splits a head of the leaf at {path_str(leaf.path)} "
-                    f"(`rope_dim`, `key_dim`) on the axis after `head_axis`, and its "
-                    f"shape {tuple(leaf.x.shape)} has none."
-                )
-            axes.append(inner[inner.index(axes[-1]) + 1])
-            size = leaf.size(axes[-1:])
-            inside = jnp.arange(size) < (cut if cut >= 0 else size + cut)
-            base = jnp.where(inside, base[..., None], rest[..., None])
-        scale = leaf.broadcast(mine(leaf, base, axes), axes)
-        acc = _leaves.accum_dtype(leaf.x.dtype)
-        w = jnp.asarray(w).astype(acc)
-        clipped = (w + leaf.x.astype(acc)) * scale - w
-        return jnp.where(scale == 1, leaf.x, clipped.astype(leaf.x.dtype))
+        found = modules(params, checked(params), config)
+        return state_of(params, found, config, *zero_stats(found))
 
     def update_fn(
         updates: optax.Updates,
@@ -288,42 +369,18 @@ def qk_clip(
     ) -> tuple[optax.Updates, QKClipState]:
         del state, extra_args  # the state holds only what the last step saw
         leaves = checked(updates)
-        weights = _leaves.params_of(leaves, updates, params, "qk_clip")
-        if max_logits is None:
-            raise ValueError(
-                "`qk_clip` rescales heads by the step's largest attention logits: "
-                "call `tx.update(updates, state, params, max_logits=...)`."
-            )
-        # An NNX intermediate holds a `sow`'s tuple: the tuple is the node.
-        sown = jax.tree.map(_leaves.unwrap, max_logits, is_leaf=_leaves.is_wrapper)
-        records = _leaves.leaves(
-            sown, "qk_clip", kind="logits", specs=logit_specs, said="logit_specs"
-        )
-        index = {leaf.path: i for i, leaf in enumerate(leaves)}
-        out, tau = list(leaves.arrays), jnp.asarray(threshold, jnp.float32)
-        found, peaks, counts = modules(params, leaves), {}, {}
+        paths = [leaf.path for leaf in leaves]
+        params_of = _leaves.params_of(leaves, updates, params, "qk_clip")
+        weights = dict(zip(paths, params_of, strict=True))
+        records = read_logits(max_logits, config)
+        out = dict(zip(paths, leaves.arrays, strict=True))
+        found, peaks, counts = modules(params, leaves, config), {}, {}
         for m in found:
-            (nq, nk), s = m.heads, logits_of(m, records)
-            over = jnp.isfinite(s) & (s > tau)
-            eta = jnp.where(over, tau / jnp.where(over, s, 1), 1)
-            hottest = jnp.min(eta.reshape(*m.layers, nk, nq // nk), axis=-1)
-            if gqa == "group":  # Megatron-LM: a group's heads all by its hottest
-                eta = jnp.repeat(hottest, nq // nk, axis=-1)
-            k_scale = hottest ** (1 - alpha)
-            # Each query head shrinks as little as it can without growing.
-            q_scale = jnp.minimum(eta / jnp.repeat(k_scale, nq // nk, axis=-1), 1)
-            for part, base, rest, cut in (
-                (m.parts[0], q_scale, eta, -rope_dim if rope_dim else None),
-                (m.parts[1], k_scale, jnp.ones_like(k_scale), key_dim),
-            ):
-                for leaf in part:
-                    i = index[leaf.path]
-                    out[i] = rescaled(leaf, weights[i], base, rest, cut)
-            first = m.parts[0][0]
-            layers = list(first.layer_axes)
-            peaks[m.path] = mine(first, s, layers)
-            counts[m.path] = mine(first, jnp.sum(eta < 1, -1, dtype=jnp.int32), layers)
-        return leaves.rebuild(out), state_of(params, found, peaks, counts)
+            s = module_logits(m, records, config)
+            peaks[m.path], counts[m.path] = clip_module(m, s, out, weights, config)
+        return leaves.rebuild(list(out.values())), state_of(
+            params, found, config, peaks, counts
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _checks, _engine, _leaves, _skip, _states
+from clipax import _checks, _engine, _leaves, _states, _statistics
 
 # The moments it resets, by optax's names (Adam's `mu` and `nu`, Lion's and
 # Muon's `mu`), and the argument giving each one's decay.
@@ -50,6 +50,19 @@ class ResetOnSpikeState(NamedTuple):
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
+class Config(NamedTuple):
+    """`reset_on_spike`'s arguments, checked, and its inner optimizer."""
+
+    inner: optax.GradientTransformationExtraArgs
+    checked: _leaves.Reader
+    watch: str
+    names: tuple[str, ...]
+    given: dict[str, Any]
+    factor: Any
+    spike: Callable[..., jax.Array]
+    record: Callable[..., tuple]
+
+
 # One tensor's per-layer entries of the state's per-tensor fields.
 Layer = collections.namedtuple(
     "Layer", "norms spiked resets age norm_count norm_mean norm_variance"
@@ -57,21 +70,16 @@ Layer = collections.namedtuple(
 
 
 def next_layer(
-    before: Layer,
-    norm: jax.Array,
-    lost: jax.Array,
-    factor: Any,
-    spike: Any,
-    record: Any,
+    before: Layer, norm: jax.Array, lost: jax.Array, config: Config
 ) -> Layer:
     """A tensor's entries after a step whose watched `norm` it is: spiked
     where the norm (or, `lost`, its gradient) is NaN or inf or a spike; the
     norm recorded where it is neither; restarted (age 0) where its moments
     were reset, not shrunk by `factor`."""
     history = (before.norm_count, before.norm_mean, before.norm_variance, None)
-    spiked = lost | spike(norm, history)
-    stats = record(norm, history, jnp.isfinite(norm) & ~spiked)[:3]
-    fresh = spiked & (lost | (factor == 0))
+    spiked = lost | config.spike(norm, history)
+    stats = config.record(norm, history, ~spiked)[:3]
+    fresh = spiked & (lost | (config.factor == 0))
     age = jnp.where(fresh, 0, optax.safe_int32_increment(before.age))
     return Layer(norm, spiked, _engine.count_if(spiked, before.resets), age, *stats)
 
@@ -117,12 +125,11 @@ def each_moment(
             )
         ):
             moment = Moment(name, "count" in fields, hyperparams)
-            mapped = [
-                jax.tree.map(
-                    lambda x, p=p, m=moment: fn(x, at[tuple(p)], m).astype(x.dtype), x
-                )
-                for p, x in flat[0]
-            ]
+            mapped = []
+            for p, node in flat[0]:
+                x = _leaves.unwrap(node)
+                new = fn(x, at[tuple(p)], moment).astype(x.dtype)
+                mapped.append(_leaves.rewrap(node, new) if node is not x else new)
             out.append(jax.tree.unflatten(flat[1], mapped))
         else:
             out.append(each_moment(child, names, at, fn, hyperparams))
@@ -169,6 +176,94 @@ def restarted(
     before = (1 - b ** (c - 1)) / jnp.where(k > 1, 1 - b ** (k - 1), 1)
     ratio = leaf.broadcast(jnp.where(k > 1, now / before, 0))
     return x * ratio + leaf.broadcast((1 - b) * (now - 1) / b) * g
+
+
+def initial(config: Config, params: optax.Params) -> ResetOnSpikeState:
+    """The state before any step: `inner`'s, and zero statistics.
+
+    Raises:
+      ValueError: if `inner`'s state holds no moment (naming the keys it
+        holds), or a moment's decay is missing or held twice (`decay`).
+    """
+    leaves, inner_state = config.checked(params), config.inner.init(params)
+    found = set()
+
+    def check(x: jax.Array, _: Any, moment: Moment) -> jax.Array:
+        decay(moment, config.given[moment.name])
+        found.add(moment.name)
+        return x
+
+    each_moment(inner_state, config.names, {x.path: x for x in leaves}, check)
+    if not found:
+        flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+        held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})[:12]
+        raise ValueError(
+            f"`reset_on_spike` resets `inner`'s moments {list(config.names)}, trees "
+            f"shaped like the params in its state; it holds none: its keys are "
+            f"{held}."
+        )
+    dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
+    kinds = Layer(dtype, bool, i32, i32, i32, dtype, dtype)
+    return ResetOnSpikeState(  # each statistic its own arrays: a state may be donated
+        inner_state=inner_state,
+        count=jnp.zeros((), i32),
+        **{f: leaves.full(0, kind) for f, kind in kinds._asdict().items()},
+        stacks=leaves.stacks,
+    )
+
+
+def step(
+    config: Config, updates: Any, state: ResetOnSpikeState, params: Any, extra: dict
+) -> tuple[Any, ResetOnSpikeState]:
+    """One step: `inner`'s, its moments restarted where they were reset;
+    then each layer tested (`next_layer`) and its moments reset or shrunk
+    where it spiked, its update zero where it was NaN or inf."""
+    leaves = config.checked(updates)
+    at = {leaf.path: leaf for leaf in leaves}
+    fields = (
+        _leaves.check_state(NAME, leaves, getattr(state, f), state.stacks)
+        for f in Layer._fields
+    )
+    before = dict(zip(at, map(Layer._make, zip(*fields, strict=True)), strict=True))
+    norms = dict(zip(at, _engine.layer_norms(leaves), strict=True))
+    # A NaN or inf layer steps with a zero gradient, so that nothing NaN
+    # enters `inner` (a clip inside it would spread it), and restarts.
+    lost = {p: ~jnp.isfinite(n) for p, n in norms.items()}
+    grads = {p: jnp.where(at[p].broadcast(lost[p]), 0, at[p].x) for p in at}
+
+    def restart(x: jax.Array, leaf: _leaves.Leaf, moment: Moment) -> jax.Array:
+        b, g = decay(moment, config.given[moment.name]), grads[leaf.path]
+        if b is None:
+            return x
+        g = jnp.square(jnp.abs(g)) if moment.name == "nu" else g
+        return restarted(x, g, b, before[leaf.path].age, state.count, leaf)
+
+    inner_state = each_moment(state.inner_state, config.names, at, restart)
+    new_updates, inner_state = config.inner.update(
+        leaves.rebuild(list(grads.values())), inner_state, params, **extra
+    )
+    out = config.checked(new_updates)
+    if config.watch == "update":
+        norms = dict(zip(at, _engine.layer_norms(out), strict=True))
+        lost = {p: lost[p] | ~jnp.isfinite(n) for p, n in norms.items()}
+    after = {p: next_layer(before[p], norms[p], lost[p], config) for p in at}
+
+    def reset(x: jax.Array, leaf: _leaves.Leaf, _: Moment) -> jax.Array:
+        """`x` times `factor` where the layer spiked; zero where it was lost."""
+        shrunk = jnp.where(leaf.broadcast(lost[leaf.path]), 0, x * config.factor)
+        return jnp.where(leaf.broadcast(after[leaf.path].spiked), shrunk, x)
+
+    inner_state = each_moment(inner_state, config.names, at, reset)
+    new_updates = out.rebuild(
+        [jnp.where(leaf.broadcast(lost[leaf.path]), 0, leaf.x) for leaf in out]
+    )
+    stats = Layer._make(map(leaves.stats, zip(*after.values(), strict=True)))
+    return new_updates, ResetOnSpikeState(
+        inner_state=inner_state,
+        count=optax.safe_int32_increment(state.count),
+        **stats._asdict(),
+        stacks=state.stacks,
+    )
 
 
 def reset_on_spike(
@@ -243,34 +338,19 @@ def reset_on_spike(
     z_threshold = _checks.positive("z_threshold", z_threshold, inf_ok=True)
     alpha = _checks.unit("alpha", alpha)
     warmup = _checks.integer("warmup_steps", warmup_steps)
-    spike, recorded = _skip.statistics(z_threshold, alpha, None, 0, warmup)
-    checked = _leaves.reader(NAME, stacked=stacked, specs=specs, axis_name=axis_name)
-    inner = optax.with_extra_args_support(inner)
+
+    config = Config(
+        optax.with_extra_args_support(inner),
+        _leaves.reader(NAME, stacked=stacked, specs=specs, axis_name=axis_name),
+        watch,
+        names,
+        given,
+        factor,
+        *_statistics.statistics(z_threshold, alpha, None, 0, warmup),
+    )
 
     def init_fn(params: optax.Params) -> ResetOnSpikeState:
-        leaves, inner_state = checked(params), inner.init(params)
-        found = set()
-
-        def check(x: jax.Array, _: Any, moment: Moment) -> jax.Array:
-            decay(moment, given[moment.name])
-            found.add(moment.name)
-            return x
-
-        each_moment(inner_state, names, {leaf.path: leaf for leaf in leaves}, check)
-        if not found:
-            flat = jax.tree_util.tree_flatten_with_path(inner_state)[0]
-            held = sorted({k for p, _ in flat for k in _leaves.path_keys(p)})[:12]
-            raise ValueError(
-                f"`reset_on_spike` resets `inner`'s moments {list(names)}, trees "
-                f"shaped like the params in its state; it holds none: its keys are "
-                f"{held}."
-            )
-        dtype, i32 = _engine.tree_accum_dtype(leaves.arrays), jnp.int32
-        kinds = (dtype, bool, i32, i32, i32, dtype, dtype)  # norms ... norm_variance
-        stats = [leaves.full(0, kind) for kind in kinds]  # each its own arrays
-        return ResetOnSpikeState._make(
-            [inner_state, jnp.zeros((), i32), *stats, leaves.stacks]
-        )
+        return initial(config, params)
 
     def update_fn(
         updates: optax.Updates,
@@ -278,52 +358,6 @@ def reset_on_spike(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, ResetOnSpikeState]:
-        leaves = checked(updates)
-        at = {leaf.path: leaf for leaf in leaves}
-        fields = (
-            _leaves.check_state(NAME, leaves, getattr(state, f), state.stacks)
-            for f in Layer._fields
-        )
-        before = dict(zip(at, map(Layer._make, zip(*fields, strict=True)), strict=True))
-        norms = dict(zip(at, _engine.layer_norms(leaves), strict=True))
-        # A NaN or inf layer steps with a zero gradient, so that nothing NaN
-        # enters `inner` (a clip inside it would spread it), and restarts.
-        lost = {p: ~jnp.isfinite(n) for p, n in norms.items()}
-        grads = {p: jnp.where(at[p].broadcast(lost[p]), 0, at[p].x) for p in at}
-
-        def restart(x: jax.Array, leaf: _leaves.Leaf, moment: Moment) -> jax.Array:
-            b, g = decay(moment, given[moment.name]), grads[leaf.path]
-            if b is None:
-                return x
-            g = jnp.square(jnp.abs(g)) if moment.name == "nu" else g
-            return restarted(x, g, b, before[leaf.path].age, state.count, leaf)
-
-        inner_state = each_moment(state.inner_state, names, at, restart)
-        new_updates, inner_state = inner.update(
-            leaves.rebuild(list(grads.values())), inner_state, params, **extra_args
-        )
-        out = checked(new_updates)
-        if watch == "update":
-            norms = dict(zip(at, _engine.layer_norms(out), strict=True))
-            lost = {p: lost[p] | ~jnp.isfinite(n) for p, n in norms.items()}
-        after = {
-            p: next_layer(before[p], norms[p], lost[p], factor, spike, recorded)
-            for p in at
-        }
-
-        def reset(x: jax.Array, leaf: _leaves.Leaf, _: Moment) -> jax.Array:
-            """`x` times `factor` where the layer spiked; zero where it was lost."""
-            shrunk = jnp.where(leaf.broadcast(lost[leaf.path]), 0, x * factor)
-            return jnp.where(leaf.broadcast(after[leaf.path].spiked), shrunk, x)
-
-        inner_state = each_moment(inner_state, names, at, reset)
-        new_updates = out.rebuild(
-            [jnp.where(leaf.broadcast(lost[leaf.path]), 0, leaf.x) for leaf in out]
-        )
-        count = optax.safe_int32_increment(state.count)
-        stats = map(leaves.stats, zip(*after.values(), strict=True))
-        return new_updates, ResetOnSpikeState._make(
-            [inner_state, count, *stats, state.stacks]
-        )
+        return step(config, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

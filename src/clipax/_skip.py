@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from clipax import _adaptive, _checks, _engine, _leaves, _states
+from clipax import _adaptive, _checks, _engine, _leaves, _states, _statistics
 
 STATS = ("count", "mean", "variance", "window")  # of the norms, and of the losses
 
@@ -47,36 +47,107 @@ class SkipSpikesState(NamedTuple):
     loss_window: jax.Array  # dtype [window]
 
 
-def statistics(
-    z_threshold: Any, alpha: Any, size: int | None, ddof: Any, warmup: Any
-) -> tuple[Callable[..., jax.Array], Callable[..., tuple]]:
-    """The spike test and the statistics' update, on (count, mean, variance,
-    window) of one value (or, elementwise, of many: the window under
-    `jax.vmap`), with `skip_spikes`' arguments checked."""
+class Config(NamedTuple):
+    """`skip_spikes`' arguments, checked, and its inner transformation."""
 
-    def spike(x: jax.Array, stats: tuple) -> jax.Array:
-        """`x - mean > z_threshold * std` once `warmup_steps` were recorded."""
-        count, mean, variance, _ = stats
-        zt = jnp.asarray(z_threshold, mean.dtype)
-        return (count >= warmup) & (x - mean > zt * jnp.sqrt(variance))
+    inner: optax.GradientTransformationExtraArgs
+    checked: _leaves.Reader
+    size: int | None  # `window`
+    every: bool  # `history="all"`
+    limit: Any  # `max_consecutive_skips`
+    max_norm: Any
+    spike: Callable[..., jax.Array]
+    record: Callable[..., tuple]
 
-    def recorded(x: jax.Array, stats: tuple, take: jax.Array) -> tuple:
-        """The statistics after `x`, where `take`: the window's, or an EMA with
-        weight `max(1 - alpha, 1 / (count + 1))` (West's incremental form: the
-        exact mean and population variance while few values are in)."""
-        count, mean, variance, buffer = stats
-        new_count = _engine.count_if(take, count)
-        if size is not None:
-            buffer = _adaptive.pushed(buffer, count, x, take)
-            mean, variance = _adaptive.window_moments(buffer, new_count, ddof)
-            return new_count, mean, variance, buffer
-        w = jnp.maximum(1 - jnp.asarray(alpha, mean.dtype), 1 / (count + 1))
-        delta = x - mean
-        moved = (1 - w) * (variance + w * jnp.square(delta))
-        variance = jnp.where(take, moved, variance)
-        return new_count, jnp.where(take, mean + w * delta, mean), variance, buffer
 
-    return spike, recorded
+def initial(config: Config, params: optax.Params) -> SkipSpikesState:
+    """The state before any step: no statistics, no loss (NaN); each field
+    its own array (a state may be donated)."""
+    dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
+    i32 = jnp.int32
+
+    def series(k: str, last: jax.Array) -> dict[str, jax.Array]:
+        """A value's last one and its statistics, none recorded."""
+        return {
+            k: last,
+            f"{k}_count": jnp.zeros((), i32),
+            f"{k}_mean": jnp.zeros((), dtype),
+            f"{k}_variance": jnp.zeros((), dtype),
+            f"{k}_window": jnp.zeros((config.size or 1,), dtype),
+        }
+
+    return SkipSpikesState(
+        config.inner.init(params),
+        skipped=jnp.zeros((), bool),
+        forced=jnp.zeros((), bool),
+        skipped_count=jnp.zeros((), i32),
+        consecutive_skips=jnp.zeros((), i32),
+        accepted_count=jnp.zeros((), i32),
+        **series("norm", jnp.zeros((), dtype)),
+        **series("loss", jnp.full((), jnp.nan, dtype)),
+    )
+
+
+def step(
+    config: Config,
+    updates: optax.Updates,
+    state: SkipSpikesState,
+    params: Any,
+    loss: Any,
+    extra_args: dict,
+) -> tuple[optax.Updates, SkipSpikesState]:
+    """One step: `inner`'s, kept where neither the global norm nor the loss
+    (where given) is NaN or inf, above `max_norm`, or a spike; else zero
+    updates and `inner`'s state as it was."""
+    dtype = state.norm.dtype
+    window = jnp.zeros((config.size or 1,), dtype)
+    fresh = {"norm_window": window, "loss_window": window}
+    _adaptive.same_shapes("skip_spikes", state._asdict(), fresh)
+    values = {"norm": _engine.global_norm(config.checked(updates), 2.0).astype(dtype)}
+    if loss is not None:
+        loss = jnp.asarray(loss)
+        _checks.jax_number("loss", loss, "a scalar: the step's loss")
+        # Inside shard_map, one decision on every device: the largest copy.
+        values["loss"] = _engine.pmax_all(loss, [_leaves.manual_axes()]).astype(dtype)
+        extra_args = {**extra_args, "loss": loss}
+    stats = {k: tuple(getattr(state, f"{k}_{s}") for s in STATS) for k in values}
+    broken = ~jnp.all(jnp.isfinite(jnp.stack(list(values.values()))))
+    if config.max_norm is not None:  # a NaN `max_norm` skips every step
+        broken |= ~(values["norm"] <= jnp.asarray(config.max_norm).astype(dtype))
+    spiked = jnp.stack([config.spike(x, stats[k]) for k, x in values.items()])
+    limit = config.limit
+    forced = jnp.any(spiked) & ~broken
+    forced &= False if limit is None else state.consecutive_skips >= limit
+    skip = broken | (jnp.any(spiked) & ~forced)
+    new_updates, new_inner = config.inner.update(
+        updates, state.inner_state, params, **extra_args
+    )
+    # Selects, not a lax.cond: XLA fuses each into the elementwise work that
+    # made its new value (Adam's moments, apply_updates), so a taken step
+    # costs what the inner step costs, and the step compiles the inner
+    # transformation once (a cond's second branch would compile it again, to
+    # give zeros of its output types, varying mesh axes included).
+    # result_type, not `u.dtype`: a leaf may be a Python number (0-d).
+    out = jax.tree.map(
+        lambda u: jnp.where(skip, jnp.zeros((), jnp.result_type(u)), u), new_updates
+    )
+    fields: dict[str, Any] = {}
+    for k, x in values.items():
+        new = config.record(x, stats[k], True if config.every else ~skip)
+        fields |= {k: x, **{f"{k}_{s}": v for s, v in zip(STATS, new, strict=True)}}
+    return out, state._replace(
+        inner_state=jax.tree.map(
+            lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
+        ),
+        skipped=skip,
+        forced=forced,
+        skipped_count=_engine.count_if(skip, state.skipped_count),
+        consecutive_skips=jnp.where(
+            skip, optax.safe_int32_increment(state.consecutive_skips), 0
+        ),
+        accepted_count=_engine.count_if(~skip, state.accepted_count),
+        **fields,
+    )
 
 
 def skip_spikes(
@@ -151,23 +222,18 @@ def skip_spikes(
         limit = _checks.integer("max_consecutive_skips", limit, data_ok=True)
     if max_norm is not None:
         max_norm = _checks.threshold("max_norm", max_norm)
-    names = _checks.axis_name(axis_name)
-    inner = optax.with_extra_args_support(inner)
-
-    spike, recorded = statistics(z_threshold, alpha, size, ddof, warmup)
+    config = Config(
+        optax.with_extra_args_support(inner),
+        _leaves.reader("skip_spikes", specs=specs, axis_name=axis_name),
+        size,
+        every,
+        limit,
+        max_norm,
+        *_statistics.statistics(z_threshold, alpha, size, ddof, warmup),
+    )
 
     def init_fn(params: optax.Params) -> SkipSpikesState:
-        dtype = _engine.tree_accum_dtype(_leaves.leaves(params, "skip_spikes").arrays)
-        # Each field its own array: a state may be donated.
-        kinds = {"skipped": bool, "forced": bool, "consecutive_skips": jnp.int32}
-        fields = {
-            f: jnp.zeros((), jnp.int32 if f.endswith("count") else kinds.get(f, dtype))
-            for f in SkipSpikesState._fields[1:]
-        }
-        fields["loss"] = jnp.full((), jnp.nan, dtype)
-        for window in ("norm_window", "loss_window"):
-            fields[window] = jnp.zeros((size or 1,), dtype)
-        return SkipSpikesState(inner.init(params), **fields)
+        return initial(config, params)
 
     def update_fn(
         updates: optax.Updates,
@@ -177,57 +243,6 @@ def skip_spikes(
         loss: ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, SkipSpikesState]:
-        dtype = state.norm.dtype
-        window = jnp.zeros((size or 1,), dtype)
-        fresh = {"norm_window": window, "loss_window": window}
-        _adaptive.same_shapes("skip_spikes", state._asdict(), fresh)
-        leaves = _leaves.leaves(updates, "skip_spikes", specs=specs, axis_name=names)
-        values = {"norm": _engine.global_norm(leaves, 2.0).astype(dtype)}
-        if loss is not None:
-            loss = jnp.asarray(loss)
-            _checks.jax_number("loss", loss, "a scalar: the step's loss")
-            # Inside shard_map, one decision on every device: the largest copy.
-            values["loss"] = _engine.pmax_all(loss, [_leaves.manual_axes()]).astype(
-                dtype
-            )
-            extra_args = {**extra_args, "loss": loss}
-        stats = {k: tuple(getattr(state, f"{k}_{s}") for s in STATS) for k in values}
-        broken = ~jnp.all(jnp.isfinite(jnp.stack(list(values.values()))))
-        if max_norm is not None:  # a NaN `max_norm` skips every step
-            broken |= ~(values["norm"] <= jnp.asarray(max_norm).astype(dtype))
-        outlier = jnp.any(jnp.stack([spike(x, stats[k]) for k, x in values.items()]))
-        forced = outlier & ~broken
-        forced &= False if limit is None else state.consecutive_skips >= limit
-        skip = broken | (outlier & ~forced)
-        new_updates, new_inner = inner.update(
-            updates, state.inner_state, params, **extra_args
-        )
-        # Selects, not a lax.cond: XLA fuses each into the elementwise work
-        # that made its new value (Adam's moments, apply_updates), so a taken
-        # step costs what the inner step costs, and the step compiles the inner
-        # transformation once (a cond's second branch would compile it again,
-        # to give zeros of its output types, varying mesh axes included).
-        # result_type, not `u.dtype`: a leaf may be a Python number (0-d).
-        out = jax.tree.map(
-            lambda u: jnp.where(skip, jnp.zeros((), jnp.result_type(u)), u), new_updates
-        )
-        fields: dict[str, Any] = {}
-        for k, x in values.items():
-            take = jnp.isfinite(x) & (True if every else ~skip)
-            new = recorded(x, stats[k], take)
-            fields |= {k: x, **{f"{k}_{s}": v for s, v in zip(STATS, new, strict=True)}}
-        return out, state._replace(
-            inner_state=jax.tree.map(
-                lambda old, new: jnp.where(skip, old, new), state.inner_state, new_inner
-            ),
-            skipped=skip,
-            forced=forced,
-            skipped_count=_engine.count_if(skip, state.skipped_count),
-            consecutive_skips=jnp.where(
-                skip, optax.safe_int32_increment(state.consecutive_skips), 0
-            ),
-            accepted_count=_engine.count_if(~skip, state.accepted_count),
-            **fields,
-        )
+        return step(config, updates, state, params, loss, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

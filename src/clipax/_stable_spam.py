@@ -33,6 +33,100 @@ class StableSpamState(NamedTuple):
     stacks: _leaves.Stacks = _leaves.Stacks()  # static: where each stack starts
 
 
+class Config(NamedTuple):
+    """`stable_spam`'s arguments, checked, and its inner transformation."""
+
+    inner: optax.GradientTransformationExtraArgs
+    checked: _leaves.Reader
+    theta: Any
+    gamma1: Any
+    gamma2: Any
+    eps: Any
+    reset_every: int | None
+
+
+def lerp(old: jax.Array, new: jax.Array, gamma: Any, where: jax.Array) -> jax.Array:
+    """`old` moved by 1 - `gamma` towards `new` (as torch's `lerp`) where
+    `where`."""
+    return jnp.where(where, old + (1 - gamma) * (new - old), old)
+
+
+def ada_clip(leaf: _leaves.Leaf, peak: jax.Array, top: jax.Array, dtype: Any) -> Any:
+    """AdaClip: the leaf's entries above `top` (per layer), its largest
+    `peak` scaled down to it, the others as they are; upcast."""
+    top = leaf.broadcast(top)
+    scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
+    g = _engine.upcast(jnp.asarray(leaf.x), like=dtype)
+    return dataclasses.replace(leaf, x=jnp.where(jnp.abs(g) > top, g * scale, g))
+
+
+def ada_gn(
+    leaf: _leaves.Leaf, g: Any, n: jax.Array, m: jax.Array, v: jax.Array, at: Any
+) -> jax.Array:
+    """AdaGN: `g` (of norm `n`) rescaled to norm `m_hat / (sqrt(v_hat) + eps)`
+    (`at`: `(gamma1, gamma2, t, eps)`, the bias corrections taken here, as
+    each tensor's own operations); NaN where `n` is; in the leaf's dtype."""
+    g1, g2, steps, eps = at
+    usable = jnp.isfinite(n) & (n > 0)
+    target = (m / (1 - g1**steps)) / (jnp.sqrt(v / (1 - g2**steps)) + eps)
+    factor = jnp.where(usable, target / jnp.where(usable, n, 1), 1)
+    factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
+    return (g.x * leaf.broadcast(factor)).astype(leaf.x.dtype)
+
+
+def step(
+    config: Config, updates: Any, state: StableSpamState, params: Any, extra: dict
+) -> tuple[Any, StableSpamState]:
+    """AdaClip, then AdaGN, per tensor (per layer), then `inner`, whose state
+    restarts before every `reset_every`-th step."""
+    leaves = config.checked(updates)
+    m_max, m_norm, v_norm = (
+        leaves.read("stable_spam", tree, state.stacks)
+        for tree in (state.m_max, state.m_norm, state.v_norm)
+    )
+    dtype = _engine.tree_accum_dtype(leaves.arrays)
+    t = optax.safe_int32_increment(state.count)
+    steps, theta, (g1, g2) = (
+        t.astype(dtype),
+        config.theta,
+        (config.gamma1, config.gamma2),
+    )
+    peaks = leaves.stats(_engine.layer_norms(leaves, math.inf))
+    m_max = jax.tree.map(lambda m, p: lerp(m, p, theta, jnp.isfinite(p)), m_max, peaks)
+    clipped = jax.tree.map(
+        lambda leaf, p, m: ada_clip(leaf, p, m / (1 - theta**steps), dtype),
+        leaves.records,
+        peaks,
+        m_max,
+    )
+    norms = leaves.stats(_engine.layer_norms(jax.tree.leaves(clipped)))
+    usable = jax.tree.map(lambda n: jnp.isfinite(n) & (n > 0), norms)
+    m_norm = jax.tree.map(lambda m, n, u: lerp(m, n, g1, u), m_norm, norms, usable)
+    v_norm = jax.tree.map(lambda v, n, u: lerp(v, n**2, g2, u), v_norm, norms, usable)
+    at = (g1, g2, steps, config.eps)
+    out = jax.tree.map(
+        lambda leaf, g, n, m, v: ada_gn(leaf, g, n, m, v, at),
+        leaves.records,
+        clipped,
+        norms,
+        m_norm,
+        v_norm,
+    )
+    inner_state = state.inner_state
+    if config.reset_every is not None:  # Stable-SPAM's momentum reset, only then
+        inner_state = jax.lax.cond(
+            t % config.reset_every == 0,
+            lambda: config.inner.init(updates if params is None else params),
+            lambda: inner_state,
+        )
+    new_updates, inner_state = config.inner.update(
+        leaves.rebuild(jax.tree.leaves(out)), inner_state, params, **extra
+    )
+    return new_updates, StableSpamState(
+        inner_state, t, m_max, m_norm, v_norm, state.stacks
+    )
+
+
 def stable_spam(
     inner: optax.GradientTransformation,
     *,
@@ -99,18 +193,25 @@ def stable_spam(
     eps = _checks.number("eps", eps, "a finite real number >= 0", low=0, high_open=True)
     if reset_every is not None:
         reset_every = _checks.integer("reset_every", reset_every)
-    checked = _leaves.reader(
-        "stable_spam", stacked=stacked, specs=specs, axis_name=axis_name
+    config = Config(
+        optax.with_extra_args_support(inner),
+        _leaves.reader(
+            "stable_spam", stacked=stacked, specs=specs, axis_name=axis_name
+        ),
+        theta,
+        gamma1,
+        gamma2,
+        eps,
+        reset_every,
     )
-    inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: optax.Params) -> StableSpamState:
-        leaves = checked(params)
+        leaves = config.checked(params)
         dtype = _engine.tree_accum_dtype(leaves.arrays)
         m_max, m_norm, v_norm = (leaves.full(0, dtype) for _ in range(3))
         count = jnp.zeros((), jnp.int32)
         return StableSpamState(
-            inner.init(params), count, m_max, m_norm, v_norm, leaves.stacks
+            config.inner.init(params), count, m_max, m_norm, v_norm, leaves.stacks
         )
 
     def update_fn(
@@ -119,61 +220,6 @@ def stable_spam(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, StableSpamState]:
-        leaves = checked(updates)
-        m_max, m_norm, v_norm = (
-            _leaves.check_state("stable_spam", leaves, tree, state.stacks)
-            for tree in (state.m_max, state.m_norm, state.v_norm)
-        )
-        dtype = _engine.tree_accum_dtype(leaves.arrays)
-        t = optax.safe_int32_increment(state.count)
-        steps = t.astype(dtype)
-
-        def lerp(
-            old: jax.Array, new: jax.Array, gamma: Any, where: jax.Array
-        ) -> jax.Array:
-            """`old` moved by 1 - `gamma` towards `new` (as torch's `lerp`) where
-            `where`."""
-            return jnp.where(where, old + (1 - gamma) * (new - old), old)
-
-        # AdaClip: entries above the EMA of the largest |g| scaled down to it.
-        new_max, clipped = [], []
-        peaks = _engine.layer_norms(leaves, math.inf)
-        for leaf, peak, old in zip(leaves, peaks, m_max, strict=True):
-            new_max.append(lerp(old, peak, theta, jnp.isfinite(peak)))
-            top = leaf.broadcast(new_max[-1] / (1 - theta**steps))
-            g = jnp.asarray(leaf.x).astype(jnp.result_type(leaf.x.dtype, dtype))
-            scale = top / leaf.broadcast(jnp.where(peak > 0, peak, 1))
-            g = jnp.where(jnp.abs(g) > top, g * scale, g)
-            clipped.append(dataclasses.replace(leaf, x=g))
-        # AdaGN: each tensor rescaled to its EMA-normalised norm.
-        out, new_m, new_v = [], [], []
-        norms = _engine.layer_norms(clipped)
-        for leaf, c, n, m, v in zip(
-            leaves, clipped, norms, m_norm, v_norm, strict=True
-        ):
-            a = jnp.isfinite(n) & (n > 0)
-            m, v = lerp(m, n, gamma1, a), lerp(v, n**2, gamma2, a)
-            new_m.append(m)
-            new_v.append(v)
-            target = (m / (1 - gamma1**steps)) / (
-                jnp.sqrt(v / (1 - gamma2**steps)) + eps
-            )
-            factor = jnp.where(a, target / jnp.where(a, n, 1), 1)
-            factor = jnp.where(jnp.isfinite(n), factor, jnp.nan)  # all of it NaN
-            out.append((c.x * leaf.broadcast(factor)).astype(leaf.x.dtype))
-        inner_state = state.inner_state
-        if reset_every is not None:  # Stable-SPAM's momentum reset, only then
-            inner_state = jax.lax.cond(
-                t % reset_every == 0,
-                lambda: inner.init(updates if params is None else params),
-                lambda: inner_state,
-            )
-        new_updates, inner_state = inner.update(
-            leaves.rebuild(out), inner_state, params, **extra_args
-        )
-        m_max, m_norm, v_norm = map(leaves.stats, (new_max, new_m, new_v))
-        return new_updates, StableSpamState(
-            inner_state, t, m_max, m_norm, v_norm, state.stacks
-        )
+        return step(config, updates, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from typing import Any
 
 import jax
@@ -13,10 +12,13 @@ import numpy as np
 from clipax import _checks, _states
 from clipax._leaves import (
     LayerAxes,
+    imported,
+    is_box,
     is_named,
     is_variable,
     is_wrapper,
     path_keys,
+    prefixes,
     unwrap,
 )
 
@@ -25,14 +27,16 @@ Entry = Any  # an int (leading layer axes) or a LayerAxes
 
 def _names(node: Any) -> tuple[Any, ...] | None:
     """A leaf's logical axis names: a Flax linen box's (`nn.LogicallyPartitioned`,
-    `nn.Partitioned`), an NNX variable's (`out_sharding` metadata; `sharding`
-    before Flax 0.12) or a haliax `NamedArray`'s; None where it has none."""
-    if hasattr(node, "names") and hasattr(node, "unbox"):
+    `nn.Partitioned`), an NNX variable's (`out_sharding` metadata;
+    `sharding_names` in Flax 0.12.0, `sharding` before) or a haliax
+    `NamedArray`'s; None where it has none."""
+    if is_box(node):
         return tuple(node.names)
     if is_named(node):
         return tuple(node.axis_names)
     meta = node.get_metadata() if is_variable(node) else {}
-    names = meta.get("out_sharding", meta.get("sharding"))
+    key = next((k for k in ("out_sharding", "sharding_names") if k in meta), "sharding")
+    names = meta.get(key)
     return tuple(names) if isinstance(names, (tuple, list)) else None
 
 
@@ -59,6 +63,41 @@ def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> 
     return treedef.unflatten([_fold(c, leaves, depth + 1) for _, c in children])
 
 
+def _stack_roots(
+    keys: list[tuple[str, ...]], sigs: list, shapes: list, scans: list
+) -> tuple[list[tuple[Entry, int | None]], dict[tuple[str, ...], Any]]:
+    """Each named leaf's entry and its stack's root: the highest subtree below
+    the top whose leaves all hold its layers at its axes (those without names:
+    where their shape fits), never above a haliax `Stacked`; and each root's
+    (axes, layers)."""
+    members: dict[tuple[str, ...], list[int]] = {}
+    for i, k in enumerate(keys):
+        for node in prefixes(k):
+            members.setdefault(node, []).append(i)
+
+    @functools.cache
+    def holds(node: tuple[str, ...], sig: tuple[tuple[int, ...], tuple]) -> bool:
+        if any(len(b) > len(node) and b[: len(node)] == node for b in scans):
+            return False
+        at, layers = sig
+        return all(
+            sigs[j] == sig
+            if sigs[j]
+            else all(a < len(shapes[j]) for a in at)
+            and tuple(shapes[j][a] for a in at) == layers
+            for j in members[node]
+        )
+
+    out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
+    roots: dict[tuple[str, ...], Any] = {}
+    for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
+        if sig is not None and sig[0]:
+            nodes = prefixes(k)[::-1][min(1, len(k)) :]  # below the top first
+            root = next(node for node in nodes if holds(node, sig))
+            roots[root], out[i] = sig, (_entry(sig[0]), len(root))
+    return out, roots
+
+
 def _from_names(
     tree: Any, flat: list, keys: list[tuple[str, ...]], axis_name: str
 ) -> list[tuple[Entry, int | None]]:
@@ -82,48 +121,25 @@ def _from_names(
             f"No leaf of the tree has the logical axis name {axis_name!r}; the "
             f"names found are {found or none + 'give `path`)'}."
         )
-    shapes = [
-        np.shape(x.unbox() if hasattr(x, "unbox") else unwrap(x)) for _, x in flat
-    ]
+    shapes = [np.shape(unwrap(x)) for _, x in flat]
     # Per leaf with names, the positions of its layer axes and the layers there.
     sigs: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
     for n, s in zip(names, shapes, strict=True):
         at = tuple(i for i, a in enumerate(n or ()) if a == axis_name)
         sigs.append(None if n is None else (at, tuple(s[a] for a in at)))
-    hnn = sys.modules.get("haliax.nn")
+    hnn = imported("haliax.nn")
     scan = lambda x: hnn is not None and isinstance(x, hnn.Stacked)  # noqa: E731
     flat_scans = jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]
     scans = [tuple(path_keys(p)) for p, x in flat_scans if scan(x)]
-    members: dict[tuple[str, ...], list[int]] = {}
-    for i, k in enumerate(keys):
-        for end in range(len(k) + 1):
-            members.setdefault(k[:end], []).append(i)
-
-    @functools.cache
-    def holds(node: tuple[str, ...], sig: tuple[tuple[int, ...], tuple]) -> bool:
-        if any(len(b) > len(node) and b[: len(node)] == node for b in scans):
-            return False
-        at, layers = sig
-        return all(
-            sigs[j] == sig
-            if sigs[j]
-            else all(a < len(shapes[j]) for a in at)
-            and tuple(shapes[j][a] for a in at) == layers
-            for j in members[node]
-        )
-
-    out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
-    roots: dict[tuple[str, ...], Any] = {}
-    for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
-        if sig is not None and sig[0]:
-            ends = range(min(1, len(k)), len(k) + 1)
-            root = next(k[:end] for end in ends if holds(k[:end], sig))
-            roots[root], out[i] = sig, (_entry(sig[0]), len(root))
+    out, roots = _stack_roots(keys, sigs, shapes, scans)
     unproven = []
     for i, k in enumerate(keys):
         root = next((r for r in roots if k[: len(r)] == r), ())
         if sigs[i] is None and root in roots:
-            if roots[root] in (sigs[j] for j in members[k[:-1]]):
+            module = [
+                sigs[j] for j, kj in enumerate(keys) if kj[: len(k) - 1] == k[:-1]
+            ]
+            if roots[root] in module:
                 out[i] = (_entry(roots[root][0]), len(root))
             else:
                 unproven.append("/".join(k))
@@ -192,7 +208,7 @@ def stacked_prefix(
     box's (`nn.with_logical_partitioning`; `nn.scan(...,
     metadata_params={nn.PARTITION_NAME: axis_name})` inserts `axis_name` at
     the scanned axis, which MaxText puts at 1), an NNX variable's
-    (`sharding_names`) or a haliax `NamedArray`'s. A stack is a highest
+    (`out_sharding` metadata) or a haliax `NamedArray`'s. A stack is a highest
     subtree whose leaves all hold the same layers at the same axes, never
     above a haliax `Stacked`; a leaf without names in it (a bias not
     annotated) takes the axes its module's annotated leaves prove, and is an
@@ -231,8 +247,8 @@ def stacked_prefix(
     """
     if (axis_name is None) == (path is None):
         raise ValueError("Give `axis_name` or `path` to `stacked_prefix`, one of them.")
-    boxed = lambda x: hasattr(x, "unbox") or is_wrapper(x)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=boxed)
+    named = lambda x: is_box(x) or is_wrapper(x)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=named)
     keys = [tuple(path_keys(p)) for p, _ in flat]
     if path is not None:
         leaves = _from_path(keys, path, axes)

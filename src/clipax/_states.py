@@ -13,15 +13,22 @@ A state class declares itself where it is defined:
 - `per_head`: those per-tensor fields whose arrays hold, after the layers, one
   entry per attention head, keyed after the tensor's path (`attn/3/max_logit`);
 - `inner`: for a wrapper, the field holding the wrapped state, which `metrics`
-  walks and `migrate_state` fills from the old state.
+  walks and `migrate_state` fills from the old state;
+- `clip`: the fields of a norm and of the threshold it was clipped to (both
+  scalars, or both per tensor), from which `metrics` adds `clipped` and
+  `clip_factor`.
 
 Every other field holding a 0-d array is a scalar statistic: which fields
-`metrics` reports depends on the class alone, never on the tree's shape. Where `metrics`
-finds a `norm` and a `threshold` (scalars, or both per tensor), it adds
-`clipped` and `clip_factor`. A restored state (orbax's untargeted restore, an
-`nnx.State`) keeps only its field names: a mapping whose keys are exactly a
-declared class's fields is that class's state. A NamedTuple that is not
-declared is not clipax's, whatever its module.
+`metrics` reports depends on the class alone, never on the tree's shape. A
+restored state (orbax's untargeted restore, an `nnx.State`) keeps only its
+field names: a mapping whose keys are exactly a declared class's fields is
+that class's state. A NamedTuple that is not declared is not clipax's,
+whatever its module.
+
+Why a registry: `metrics` and `migrate_state` must find every clipax state in
+any optimizer state, restored ones included (DESIGN.md, "Logs" and
+"Switching"), without importing every rule; each class says what it is where
+it is defined, and nothing is found by its class name or module.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class Declared:
     fields: tuple[str, ...]  # the class's `_fields`
     per_head: tuple[str, ...] = ()
     unreported: tuple[str, ...] = ()
+    clip: tuple[str, ...] = ()  # (the norm's field, the threshold's)
 
     def is_restored(self, node: Mapping[Any, Any]) -> bool:
         """Whether `node` is this class's state with its class gone (a static
@@ -71,6 +79,7 @@ def declare(
     inner: str | None = None,
     per_head: tuple[str, ...] = (),
     unreported: tuple[str, ...] = (),
+    clip: tuple[str, str] | tuple[()] = (),
 ) -> Callable[[_Class], _Class]:
     """A class decorator that declares a NamedTuple a clipax state class.
 
@@ -87,7 +96,7 @@ def declare(
             raise TypeError(
                 f"`declare` takes a NamedTuple class; got {cls.__qualname__}."
             )
-        for field in (*per_tensor, *unreported, *([] if inner is None else [inner])):
+        for field in (*per_tensor, *unreported, *clip, *([inner] if inner else [])):
             if field not in fields:
                 raise ValueError(
                     f"{cls.__qualname__} has no field {field!r} to declare; its "
@@ -102,7 +111,7 @@ def declare(
                     f"the same {same}."
                 )
         DECLARED[cls] = Declared(
-            cls, name, per_tensor, inner, fields, per_head, unreported
+            cls, name, per_tensor, inner, fields, per_head, unreported, clip
         )
         return cls
 

@@ -143,8 +143,9 @@ def clip_by_global_norm(
         )
     mode = _checks.nonfinite(nonfinite)
     p = _checks.order(ord)
-    names = _checks.axis_name(axis_name)
-    leaves = _leaves.leaves(tree, "clip_by_global_norm", specs=specs, axis_name=names)
+    leaves = _leaves.reader("clip_by_global_norm", specs=specs, axis_name=axis_name)(
+        tree
+    )
     return clip_leaves(leaves, max_norm, p, mode, use_norm)[:2]
 
 

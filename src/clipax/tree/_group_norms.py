@@ -6,11 +6,73 @@ from collections.abc import Sequence
 from typing import Any
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from clipax import _checks, _engine, _leaves
 from clipax._metrics import SEPARATOR, Metrics
+
+
+def whole_layer_norms(leaves: _leaves.Leaves, p: float) -> list[jax.Array]:
+    """Each leaf's exact norms per layer, the layers on other devices
+    gathered (in the spec's order of mesh axes)."""
+    out = []
+    for leaf, n in zip(leaves, _engine.layer_norms(leaves, p, exact=True), strict=True):
+        for dim, axis in enumerate(leaf.layer_axes):
+            if leaf.dims and leaf.dims[axis]:
+                n = _engine.gathered(n, dim, leaf.dims[axis])
+        out.append(n)
+    return out
+
+
+def grouped(
+    members: list, leaves: _leaves.Leaves, depth: int | None, wanted: list | None
+) -> dict[str, list[int]]:
+    """Each group's name and its members' places (`flat_keys`): by the first
+    `depth` keys, or under the longest of the `wanted` prefixes (a member
+    under none in no group).
+
+    Raises:
+      ValueError: naming the leaves, if a key holding `/` makes a prefix
+        ambiguous or two groups one name.
+    """
+    columns: dict[str, list[int]] = {}
+    entries: dict[str, tuple[tuple[str, ...], int]] = {}  # key entries, first leaf
+    for i, keys, place in members:
+        if wanted is None:
+            group = tuple(keys[: depth or 1])
+        else:
+            joined = SEPARATOR.join(keys)
+            by_text = [
+                q for q in wanted if f"{joined}/".startswith(SEPARATOR.join(q) + "/")
+            ]
+            match = [q for q in wanted if tuple(keys[: len(q)]) == q]
+            if by_text[:1] != match[:1]:
+                said = SEPARATOR.join((by_text or match)[0])
+                raise ValueError(
+                    f"The leaf at {_leaves.path_str(leaves[i].path)} has a key holding "
+                    f"{SEPARATOR!r}, so whether it is under the `prefixes` entry "
+                    f"{said!r} is ambiguous: its path {joined!r} reads one way, its "
+                    f"key entries {keys} another. Rename the key so that it holds no "
+                    f"{SEPARATOR!r}."
+                )
+            if not match:
+                continue
+            group = match[0]
+        name = SEPARATOR.join(group) or "root"
+        seen, first = entries.setdefault(name, (group, i))
+        if seen != group:
+            raise ValueError(
+                f"`group_norms` got the leaves at "
+                f"{_leaves.path_str(leaves[first].path)} and "
+                f"{_leaves.path_str(leaves[i].path)}, whose groups at "
+                f"`depth`={depth or 1} both write as {name!r}: a dict key holding "
+                f"{SEPARATOR!r} reads as two path entries, and one norm would hide the "
+                f"other. Rename the key so that it holds no {SEPARATOR!r}."
+            )
+        columns.setdefault(name, []).append(place)
+    return columns
 
 
 def group_norms(
@@ -74,7 +136,7 @@ def group_norms(
         raise ValueError("Give `depth` or `prefixes`, not both.")
     if depth is not None:
         depth = _checks.integer("depth", depth)
-    wanted = []
+    wanted = None
     if prefixes is not None:
         wanted = sorted(
             _checks.key_paths("prefixes", prefixes, SEPARATOR), key=len, reverse=True
@@ -83,53 +145,13 @@ def group_norms(
     leaves = _leaves.reader(
         "group_norms", stacked=stacked, specs=specs, axis_name=axis_name
     )(tree)
-    vectors, layers = [], []
-    for leaf, n in zip(leaves, _engine.layer_norms(leaves, p, exact=True), strict=True):
-        for dim, axis in enumerate(leaf.layer_axes):  # layers on other devices
-            if leaf.dims and leaf.dims[axis]:  # in the spec's order of mesh axes
-                n = _engine.gathered(n, dim, leaf.dims[axis])
-        vectors.append(n.reshape(-1))
-        layers.append(n.shape)
+    norms = whole_layer_norms(leaves, p)
+    vectors = [n.reshape(-1) for n in norms]
     members = _leaves.flat_keys(
-        [leaf.path for leaf in leaves], layers, leaves.stacks.depths
+        [leaf.path for leaf in leaves], [n.shape for n in norms], leaves.stacks.depths
     )
-    # Each group's members as places in `values` (every layer norm, then a 0).
-    columns: dict[str, list[int]] = {}
-    entries: dict[str, tuple[tuple[str, ...], int]] = {}  # key entries, first leaf
-    for i, keys, place in members:
-        if prefixes is None:
-            group = tuple(keys[: depth or 1])
-        else:
-            joined = SEPARATOR.join(keys)
-            by_text = [
-                q for q in wanted if f"{joined}/".startswith(SEPARATOR.join(q) + "/")
-            ]
-            match = [q for q in wanted if tuple(keys[: len(q)]) == q]
-            if by_text[:1] != match[:1]:
-                said = SEPARATOR.join((by_text or match)[0])
-                raise ValueError(
-                    f"The leaf at {_leaves.path_str(leaves[i].path)} has a key holding "
-                    f"{SEPARATOR!r}, so whether it is under the `prefixes` entry "
-                    f"{said!r} is ambiguous: its path {joined!r} reads one way, its "
-                    f"key entries {keys} another. Rename the key so that it holds no "
-                    f"{SEPARATOR!r}."
-                )
-            if not match:
-                continue
-            group = match[0]
-        name = SEPARATOR.join(group) or "root"
-        seen, first = entries.setdefault(name, (group, i))
-        if seen != group:
-            raise ValueError(
-                f"`group_norms` got the leaves at "
-                f"{_leaves.path_str(leaves[first].path)} and "
-                f"{_leaves.path_str(leaves[i].path)}, whose groups at "
-                f"`depth`={depth or 1} both write as {name!r}: a dict key holding "
-                f"{SEPARATOR!r} reads as two path entries, and one norm would hide the "
-                f"other. Rename the key so that it holds no {SEPARATOR!r}."
-            )
-        columns.setdefault(name, []).append(place)
-    for q in wanted:
+    columns = grouped(members, leaves, depth, wanted)
+    for q in wanted or ():
         if not any(tuple(keys[: len(q)]) == q for _, keys, _ in members):
             tops = sorted({keys[0] for _, keys, _ in members if keys})
             raise ValueError(

@@ -93,7 +93,7 @@ def clip_leaves(
     clipped, peaks = [], []
     for leaf, n in zip(leaves, norms, strict=True):
         clipped.append(_engine.scaled(leaf.x, _clip_factor(n, limit(n.dtype))))
-        slices = tuple(d for d in range(n.ndim) if d not in leaf.layer_axes)
+        slices = leaf.inner if n.ndim else ()  # a scalar: every axis reduced
         peak = jnp.max(n, axis=slices, initial=0.0) if axes is not None else n
         peaks.append(peak.reshape(leaf.layers))
     if axes is not None:
