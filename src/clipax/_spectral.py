@@ -295,11 +295,11 @@ def matrix_axes(leaves: _leaves.Leaves, dims: Any, tree: Any) -> list[Axes | Non
                 f"`{NAME}` clips float matrices; {where} has dtype {leaf.x.dtype}. "
                 "Cast it, or give it None in `weight_dimension_numbers`."
             )
-        if axes and leaf.unknown:
+        if axes and leaf.unsaid_axes:
             raise ValueError(
                 f"`{NAME}` cannot tell how the leaf at {path_str(leaf.path)} (its "
                 f"block {tuple(leaf.x.shape)}) is split across the mesh axes "
-                f"{leaf.unknown} of this shard_map: pass `specs=`, the "
+                f"{leaf.unsaid_axes} of this shard_map: pass `specs=`, the "
                 "`in_specs` you gave shard_map for the updates (`PartitionSpec()` "
                 "for a leaf whole on every device). JAX's types prove a leaf whole "
                 "only with `check_vma=True`."
