@@ -23,7 +23,10 @@ least of each side counts). On the scanned model the per-tensor rules take
 AdamW alone, the logits' max computed and returned in both. `adagc_bare` and
 `stable_spam_bare` and `reset_on_spike_bare` hold each rule against its bare
 formula: a hand-written `jax.tree.map` version keeping the same statistics in
-its state.
+its state. `spectral` (5 Newton-Schulz steps) and `spectral_10` (10) soft-clip
+every matrix (each leaf of rank 2 or more, its last two axes) against
+`optax.contrib.scale_by_muon`'s orthogonalisation of the same matrices at its
+default 5 steps (no momentum), both before AdamW.
 
 `--logging` measures what logging costs instead: on the scanned model with
 `adagc(stacked=...)`, the step that also returns `clipax.metrics(opt_state) |
@@ -48,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optax.contrib import MuonDimensionNumbers as Dims
 
 import clipax
 
@@ -360,6 +364,31 @@ def bare_reset_on_spike(scanned: bool, adamw: Any) -> optax.GradientTransformati
     return optax.GradientTransformation(init, update)
 
 
+def matrices(tree: Any) -> Any:
+    """Each leaf of rank 2 or more as a batch of matrices over its last two
+    axes (the scanned blocks: one matrix a layer); None at the others."""
+    return jax.tree.map(
+        lambda x: Dims(x.ndim - 2, x.ndim - 1) if x.ndim > 1 else None, tree
+    )
+
+
+def muon_orthogonalisation(scanned: bool) -> optax.GradientTransformation:
+    """optax.contrib.muon's orthogonalisation (its default 5 steps) of the
+    same matrices, no momentum; the other leaves unchanged."""
+    del scanned
+    muon = optax.contrib.scale_by_muon(
+        beta=0.0, nesterov=False, weight_dimension_numbers=matrices
+    )
+    labels = lambda t: jax.tree.map(lambda x: "m" if x.ndim > 1 else "o", t)  # noqa: E731
+    return optax.partition({"m": muon, "o": optax.identity()}, labels)
+
+
+def _spectral(steps: int) -> Callable[[bool], Any]:
+    return lambda scanned: clipax.clip_by_spectral_norm(
+        MAX_NORM, ns_steps=steps, weight_dimension_numbers=matrices
+    )
+
+
 # The large trainers' skip rule (OLMo-core, MaxText) and Levanter's update clip.
 TRAINERS_SKIP = {"window": 128, "ddof": 1, "warmup_steps": 63, "history": "all"}
 UPDATE_CLIP = {"mode": "std", "z_threshold": 3.0, "window": 128, "warmup_steps": 64}
@@ -435,6 +464,16 @@ RULES: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
         ),
         lambda scanned, adamw: adamw,
         "adamw alone (the logits' max computed in both)",
+    ),
+    "spectral": (
+        _before_adamw(_spectral(5)),
+        _before_adamw(muon_orthogonalisation),
+        "muon's orthogonalisation (5 steps)",
+    ),
+    "spectral_10": (
+        _before_adamw(_spectral(10)),
+        _before_adamw(muon_orthogonalisation),
+        "muon's orthogonalisation (5 steps)",
     ),
 }
 # The rules whose model sows each head's largest logit (QK-Clip's input).

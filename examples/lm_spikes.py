@@ -104,6 +104,14 @@ spike took to recover (until the loss is back within 5% of the EMA before the
 spike) and the layers reset per run. It writes `lm_reset.png` and
 `lm_reset_metrics.jsonl`.
 
+With `--spectral` the same study runs SPECTRA's spectral clip
+(`clipax.clip_by_spectral_norm(10.0, stacked=prefix)` on Adam's direction,
+each layer's kernel a matrix, then SPECTRA's rectangular scale, AdamW's decay
+and the learning rate: docs/porting.md, "From SPECTRA") against AdamW alone,
+with `clip_by_global_norm(1.0)` and with `adagc(stacked=prefix)`, and Muon
+alone, at 0.1 and 0.3, 5 seeds; it writes `lm_spectral.png` and
+`lm_spectral_metrics.jsonl`.
+
 With `--qk-clip --gqa` the same study runs on GQA attention (4 query heads
 over 2 key and value heads) at the high rates (AdamW at 0.03 and 0.1, Muon at
 0.1 and 0.3), each optimizer alone and followed by `clipax.qk_clip` with its
@@ -124,6 +132,7 @@ Run from the repository root:
     python examples/lm_spikes.py --qk-clip --steps 6 --lrs 0.1 --tau 1   # smoke run
     python examples/lm_spikes.py --qk-clip --gqa   # 36 runs x 400 steps: ~25 min
     python examples/lm_spikes.py --reset     # 60 runs x 400 steps: ~45 min
+    python examples/lm_spikes.py --spectral  # 100 runs x 400 steps
 """
 
 from __future__ import annotations
@@ -227,6 +236,19 @@ RESET_RULES = ("none", "reset_on_spike", "trainers.skip", "stable_spam", "adagc"
 RESET = {"steps": 400, "seeds": 3, "lrs": {"adamw": [0.03, 0.1], "muon": [0.1, 0.3]}}
 RESET_OUTPUT = "lm_reset.png"
 RESET_LOG = "lm_reset_metrics.jsonl"
+# The spectral study (--spectral): SPECTRA's clip against the global clip,
+# AdaGC and nothing on AdamW, and Muon alone, at the rates where runs diverge.
+SPECTRAL_RUNS = (
+    "adamw/none",
+    "adamw/clip",
+    "adamw/adagc",
+    "adamw/spectra",
+    "muon/none",
+)
+SPECTRAL = {"steps": 400, "seeds": 5, "lrs": {"adamw": [0.1, 0.3], "muon": [0.1, 0.3]}}
+SPECTRAL_OUTPUT = "lm_spectral.png"
+SPECTRAL_LOG = "lm_spectral_metrics.jsonl"
+SPECTRA_C = 10.0  # SPECTRA's default threshold for the update's singular values
 RECOVERED = 1.05  # recovered: the loss back within 5% of its pre-spike EMA
 # The large trainers' skip rule (OLMo-core, MaxText; Levanter's has ddof=0 and
 # warmup_steps=64): every step's values in a window of 128, 6 sigma.
@@ -509,7 +531,32 @@ def reset_optimizer(
         return clipax.stable_spam(opt, stacked=prefix)
     if rule == "adagc":
         return optax.chain(clipax.adagc(stacked=prefix), opt)
+    if rule == "clip":
+        return optax.chain(clipax.clip_by_global_norm(MAX_NORM), opt)
+    if rule == "spectra":  # SPECTRA's AdamW, as docs/porting.md writes it
+        return optax.chain(
+            optax.scale_by_adam(),  # AdamW's b1, b2, eps
+            clipax.clip_by_spectral_norm(SPECTRA_C, stacked=prefix),
+            rectangular(prefix),
+            optax.add_decayed_weights(1e-4),
+            optax.scale_by_learning_rate(lr),
+        )
     return opt
+
+
+def rectangular(prefix: Any) -> optax.GradientTransformation:
+    """SPECTRA's scale of each matrix's update, sqrt(max(1, out / in)), a
+    kernel's layer (in, out) a matrix (the leaves the spectral clip takes)."""
+
+    def scale(u: jax.Array, layers: int) -> jax.Array:
+        shape = u.shape[layers:]
+        return u * max(1.0, shape[1] / shape[0]) ** 0.5 if len(shape) == 2 else u
+
+    return optax.stateless(
+        lambda updates, _: jax.tree.map(
+            scale, updates, jax.tree.broadcast(prefix, updates)
+        )
+    )
 
 
 class Trainer:
@@ -1172,22 +1219,29 @@ def qk_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
 def reset_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
     """The moment-reset study (`--reset`): AdamW and Muon at their high rates,
     alone and with each rule, from the same initialisation and batches per
-    seed; prints the summary, writes the log and the figure."""
-    steps = args.steps or RESET["steps"]
-    seeds = list(range(args.seeds or RESET["seeds"]))
-    lrs = {opt: sorted(args.lrs or RESET["lrs"][opt]) for opt in ("adamw", "muon")}
+    seed; prints the summary, writes the log and the figure. With
+    `--spectral`, the spectral study's runs (`SPECTRAL_RUNS`) instead."""
+    plan = SPECTRAL if args.spectral else RESET
+    output, log_path = (
+        (SPECTRAL_OUTPUT, SPECTRAL_LOG) if args.spectral else (RESET_OUTPUT, RESET_LOG)
+    )
+    steps = args.steps or plan["steps"]
+    seeds = list(range(args.seeds or plan["seeds"]))
+    lrs = {opt: sorted(args.lrs or plan["lrs"][opt]) for opt in ("adamw", "muon")}
     names = [f"{opt}/{rule}" for opt in lrs for rule in RESET_RULES]
+    if args.spectral:
+        names = list(SPECTRAL_RUNS)
     train_text, _, files, bound, held_out = corpus()
     model = GPT(dtype=jnp.dtype(args.dtype))
     tqdm.write(
-        f"{files} files of the stdlib: {train_text.size:,} training bytes; moment-"
-        f"reset study: {len(names)} runs per seed ({', '.join(RESET_RULES)}; adamw "
-        f"at {lrs['adamw']}, muon at {lrs['muon']}) x {steps} steps, "
-        f"{len(seeds)} seed(s)"
+        f"{files} files of the stdlib: {train_text.size:,} training bytes; "
+        f"{'spectral' if args.spectral else 'moment-reset'} study: {len(names)} "
+        f"runs per seed ({', '.join(names)}; adamw at {lrs['adamw']}, muon at "
+        f"{lrs['muon']}) x {steps} steps, {len(seeds)} seed(s)"
     )
     runs: dict[tuple[str, float, int], Any] = {}
     start = time.perf_counter()
-    with open(RESET_LOG, "w") as log:
+    with open(log_path, "w") as log:
         for seed, prefix, params, data in seeded(model, seeds, steps, train_text):
             if seed == seeds[0]:
                 dims = muon_dims(params, prefix)
@@ -1241,11 +1295,9 @@ def reset_study(args: argparse.Namespace) -> dict[tuple[str, float, int], Any]:
     ax.set(xscale="log", xlabel="learning rate", ylabel="held-out loss")
     finish(ax, f"held-out loss, mean of {len(seeds)} seed(s)", ncol=2)
     fig.tight_layout()
-    fig.savefig(RESET_OUTPUT, dpi=100)
+    fig.savefig(output, dpi=100)
     plt.close(fig)
-    tqdm.write(
-        f"wrote {RESET_OUTPUT} and {RESET_LOG} in {time.perf_counter() - start:.0f} s"
-    )
+    tqdm.write(f"wrote {output} and {log_path} in {time.perf_counter() - start:.0f} s")
     return runs
 
 
@@ -1285,6 +1337,12 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         "alone and with reset_on_spike, the trainers' skip, Stable-SPAM, AdaGC",
     )
     parser.add_argument(
+        "--spectral",
+        action="store_true",
+        help="the spectral study instead: AdamW alone, with the global clip, AdaGC "
+        "and SPECTRA's spectral clip, and Muon alone, at the rates where runs diverge",
+    )
+    parser.add_argument(
         "--tau",
         type=float,
         default=QK_TAU,
@@ -1297,7 +1355,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], Any]:
         return qk_study(args)
     if args.gqa:
         parser.error("--gqa is a variant of the --qk-clip study: give both")
-    if args.reset:
+    if args.reset or args.spectral:
         return reset_study(args)
     plan = FULL if args.full else DEFAULT
     steps = args.steps or plan["steps"]

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -17,6 +18,12 @@ import numpy as np
 import pytest
 
 DATA = pathlib.Path(__file__).parent / "data"
+COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|all-to-all)(-start)?\(")
+
+
+def collectives(hlo: str) -> list[tuple[str, str]]:
+    """(result shape, op) for every collective in compiled HLO text."""
+    return [(m.group(1), m.group(2)) for m in COLLECTIVE.finditer(hlo)]
 
 
 # Why a test of XLA's output holds from jaxlib 0.10.2 on only.

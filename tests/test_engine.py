@@ -19,7 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 import clipax
 from clipax import _engine
-from tests.helpers import UNFUSED_REDUCTIONS, ref_global_norm, xla_output_since
+from tests.helpers import (
+    UNFUSED_REDUCTIONS,
+    collectives,
+    ref_global_norm,
+    xla_output_since,
+)
 
 ORDS = [1.0, 2.0, 1.5, math.inf]
 TOL = {"rtol": 2e-5, "atol": 1e-30}
@@ -183,13 +188,6 @@ def test_non_finite_leaf_in_a_bucket_makes_every_output_nan(
 
 
 # Sharding: bucketing never concatenates sharded leaves.
-
-COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-reduce|all-gather|all-to-all)(-start)?\(")
-
-
-def collectives(hlo: str) -> list[tuple[str, str]]:
-    """(result shape, op) for every collective in compiled HLO text."""
-    return [(m.group(1), m.group(2)) for m in COLLECTIVE.finditer(hlo)]
 
 
 def assert_only_scalar_all_reduces(hlo: str) -> None:

@@ -336,3 +336,24 @@ def test_lm_spikes_reset(tmp_path: Path) -> None:
     reset = next(r for r in logged if r["rule"] == "adamw/reset_on_spike")
     assert any(k.startswith("reset_on_spike/params/blocks/1/") for k in reset), reset
     assert_png(tmp_path / "lm_reset.png")
+
+
+def test_lm_spikes_spectral(tmp_path: Path) -> None:
+    # SPECTRA's clip on AdamW's direction beside the global clip, AdaGC, nothing
+    # and Muon: every run in the summary, seed by seed, and its log.
+    out = run_example(
+        "lm_spikes.py",
+        *("--spectral", "--steps", "2", "--lrs", "0.1", "--seeds", "1"),
+        cwd=tmp_path,
+    )
+    rows = {m["run"]: m for m in RESET_ROW.finditer(out)}
+    runs = {"adamw/none", "adamw/clip", "adamw/adagc", "adamw/spectra", "muon/none"}
+    assert set(rows) == runs, out
+    assert all(f"  {run} @ 0.1:" in out for run in runs), out
+    for run, row in rows.items():
+        assert float(row["held"]) > 0, run
+    logged = (tmp_path / "lm_spectral_metrics.jsonl").read_text().splitlines()
+    spectra = [json.loads(line) for line in logged if '"adamw/spectra"' in line]
+    assert len(logged) == 5 * 2 and spectra
+    assert any(k.endswith("/sigma_max") for k in spectra[0]), spectra[0]
+    assert_png(tmp_path / "lm_spectral.png")

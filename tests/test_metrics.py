@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import clipax
+from clipax import _states
 from tests import helpers
 
 PARAMS = {"dense": {"kernel": jnp.ones((2, 3)), "bias": jnp.ones(3)}}
@@ -382,6 +383,9 @@ KEYED_RULES: dict[str, Any] = {
         optax.adam(1.0), b1=0.9, b2=0.999, warmup_steps=1, **kw
     ),
     "qk_clip": lambda **kw: clipax.qk_clip(1.0, query="q", key="k", **kw),
+    "clip_by_spectral_norm": lambda **kw: clipax.clip_by_spectral_norm(
+        1.0, weight_dimension_numbers=optax.contrib.MuonDimensionNumbers(-2, -1), **kw
+    ),
 }
 TREE_KINDS = ("bare", "one leaf", "nested", "stacked")
 
@@ -413,6 +417,10 @@ def _stat_names(rule: str, kind: str, shape: tuple[int, ...]) -> set[str]:
     )
     _, state = tx.update(tree, tx.init(tree), tree, max_logits=logits)
     return {key.rsplit("/", 1)[-1] for key in clipax.metrics(state)}
+
+
+def test_the_keyed_rules_are_every_rule_with_a_state() -> None:
+    assert set(KEYED_RULES) == {d.name for d in _states.DECLARED.values()}
 
 
 @pytest.mark.parametrize("rule", list(KEYED_RULES))

@@ -56,7 +56,21 @@ RULES: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: optax.adam(LR),
     ),
     "qk_clip": (lambda: clipax.qk_clip(100.0), optax.identity),
+    "clip_by_spectral_norm": (
+        lambda: clipax.clip_by_spectral_norm(0.1),
+        optax.identity,
+    ),
 }
+
+
+def test_the_recipes_hold_every_public_rule() -> None:
+    public = {n for n in clipax.__all__ if n.islower() and callable(getattr(clipax, n))}
+    assert set(RULES) == public - {
+        "metrics",
+        "migrate_state",
+        "nonfinite_errors",
+        "stacked_prefix",
+    }
 
 
 class Attention(linen.Module):

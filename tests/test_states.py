@@ -53,6 +53,12 @@ DECLARED = {
         {"norms": "norm", "spiked": "spiked", "resets": "resets"},
         "inner_state",
     ),
+    clipax.ClipBySpectralNormState: (
+        "clip_by_spectral_norm",
+        ("count",),
+        {"sigma_max": "sigma_max", "clipped": "clipped"},
+        None,
+    ),
     clipax.SkipSpikesState: (
         "skip_spikes",
         tuple(
@@ -76,6 +82,7 @@ EXAMPLES = {
     clipax.StableSpamState: clipax.stable_spam(optax.sgd(1.0)),
     clipax.QKClipState: clipax.qk_clip(1.0, query="w", key="w"),
     clipax.ResetOnSpikeState: clipax.reset_on_spike(optax.adam(1.0), b1=0.9, b2=0.999),
+    clipax.ClipBySpectralNormState: clipax.clip_by_spectral_norm(1.0),
 }
 
 
@@ -210,6 +217,7 @@ FACTORIES = {
     "clip_by_block_rms": lambda: clipax.clip_by_block_rms(1.0),
     "clip_by_global_norm": lambda: clipax.clip_by_global_norm(1.0),
     "clip_by_norm": lambda: clipax.clip_by_norm(1.0),
+    "clip_by_spectral_norm": lambda: clipax.clip_by_spectral_norm(1.0),
     "clip_by_value": lambda: clipax.clip_by_value(-1.0, 1.0),
     "qk_clip": lambda: clipax.qk_clip(1.0),
     "reset_on_spike": lambda: clipax.reset_on_spike(optax.adam(1e-3), b1=0.9, b2=0.999),

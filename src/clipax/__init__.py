@@ -1,8 +1,8 @@
 """clipax: gradient clipping for JAX.
 
 Value, per-leaf norm and global-norm clipping, adaptive rules (AutoClip, ZClip,
-AdaGC, AGC, block RMS, per-example DP clipping) and QK-Clip, as Optax
-transformations and as pure functions on pytrees in `clipax.tree`; norms
+AdaGC, AGC, block RMS, per-example DP clipping), QK-Clip and spectral clipping,
+as Optax transformations and as pure functions on pytrees in `clipax.tree`; norms
 accumulated in float32, jit- and sharding-ready, per layer of stacked
 (scanned) models, with the pre-clip norm and the clipping statistics in
 opt_state.
@@ -35,6 +35,8 @@ from clipax._reset import ResetOnSpikeState as ResetOnSpikeState
 from clipax._reset import reset_on_spike as reset_on_spike
 from clipax._skip import SkipSpikesState as SkipSpikesState
 from clipax._skip import skip_spikes as skip_spikes
+from clipax._spectral import ClipBySpectralNormState as ClipBySpectralNormState
+from clipax._spectral import clip_by_spectral_norm as clip_by_spectral_norm
 from clipax._stable_spam import StableSpamState as StableSpamState
 from clipax._stable_spam import stable_spam as stable_spam
 from clipax._stacked import stacked_prefix as stacked_prefix
@@ -51,6 +53,7 @@ __all__ = [
     "AutoClipState",
     "ClipByGlobalNormState",
     "ClipByNormState",
+    "ClipBySpectralNormState",
     "LayerAxes",
     "Metrics",
     "NonFiniteError",
@@ -67,6 +70,7 @@ __all__ = [
     "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
+    "clip_by_spectral_norm",
     "clip_by_value",
     "metrics",
     "migrate_state",

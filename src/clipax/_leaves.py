@@ -404,7 +404,8 @@ def leaves(
       tree: the updates (or parameters).
       fn_name: the public name, for messages.
       kind: `"norm"` (float16 or wider, or complex), `"value"` (real
-        integer or floating) or `"logits"` (floating): the leaves a rule reads.
+        integer or floating), `"logits"` (floating) or `"array"` (any array;
+        the rule checks the leaves it reads): the leaves a rule reads.
       stacked: the `stacked=` prefix (or a function giving it), whose entries
         give the layer axes.
       specs, axis_name: inside `shard_map`/`pmap`, how the leaves are split.
