@@ -713,3 +713,13 @@ def test_float8_leaves_are_rejected_by_path(
         rf"at \['q'\] has dtype {name}",
     ):
         call(tree)
+
+
+def test_a_value_shown_in_an_error_is_cut_past_60_characters() -> None:
+    tree = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError) as whole:
+        clipax.tree.global_norm(tree, squared="x" * 58)  # its repr: 60 characters
+    assert str(whole.value).endswith(f"got {'x' * 58!r}.")
+    with pytest.raises(TypeError) as cut:
+        clipax.tree.global_norm(tree, squared="x" * 59)  # 61: 57 of them, then ...
+    assert str(cut.value).endswith(f"got {repr('x' * 59)[:57]}....")
