@@ -176,6 +176,12 @@ CASES: list[tuple[str, Callable[[Any], Any], type[Exception], str]] = [
         r"`axes`.*'rows'",
     ),
     (
+        "axes a 2-D array of ints",  # as inject_hyperparams would hand it on
+        lambda t: clipax.clip_by_norm(1.0, axes=np.array([[0], [1]])),
+        ValueError,
+        r"`axes` must be None, an int, or a sequence of distinct ints; got array",
+    ),
+    (
         "axes out of range",
         lambda t: clipax.tree.clip_by_norm(t, 1.0, axes=1),
         ValueError,
