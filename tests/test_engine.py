@@ -270,6 +270,10 @@ def test_is_whole_rules() -> None:
     assert _engine.is_whole(np.ones(3))
     assert not _engine.is_whole(sharded)
     assert _engine.is_whole(replicated)
+    pair = jax.make_mesh((2,), ("a",), devices=jax.devices()[:2])
+    assert not _engine.is_whole(  # split over exactly two devices
+        jax.device_put(jnp.ones(8), NamedSharding(pair, P("a")))
+    )
     jax.jit(record("jit, explicit sharded"))(sharded)
     jax.jit(record("jit, explicit replicated"))(replicated)
     jax.jit(record("jit, auto"))(auto_replicated)
