@@ -246,6 +246,22 @@ def test_sharded_leaves_are_never_concatenated(
 
 
 @pytest.mark.devices(8)
+def test_a_traced_value_is_whole_where_the_process_has_one_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[bool] = []
+
+    def probe(x: jax.Array) -> jax.Array:
+        seen.append(_engine.is_whole(x))
+        return x
+
+    jax.jit(probe)(jnp.ones(3))  # 8 devices: XLA may still split it
+    monkeypatch.setattr(jax, "device_count", lambda *args: 1)
+    jax.jit(probe)(jnp.ones(4))
+    assert seen == [False, True]
+
+
+@pytest.mark.devices(8)
 def test_is_whole_rules() -> None:
     # Axis types named: `jax.make_mesh`'s default is Auto before JAX 0.9.
     explicit = jax.make_mesh(
