@@ -421,3 +421,17 @@ def test_a_new_state_that_is_not_arrays_is_refused() -> None:
     abstract = jax.eval_shape(optax.adam(0.1).init, PARAMS)  # ShapeDtypeStructs
     with pytest.raises(ValueError, match=r"\[0\]\.count: .*ShapeDtypeStruct"):
         clipax.migrate_state(old, abstract)
+
+
+def test_python_numbers_in_the_old_state_are_its_arrays() -> None:
+    # A state written by hand or read back as plain numbers, not arrays.
+    new = clipax.clip_by_global_norm(1.0).init({"w": jnp.ones(2)})
+    old = {"norm": 2.5, "nonfinite_count": 3, "threshold": 1.0}
+    got = clipax.migrate_state(old, new)
+    assert isinstance(got, clipax.ClipByGlobalNormState)
+    assert (got.norm.dtype, got.nonfinite_count.dtype) == (jnp.float32, jnp.int32)
+    assert (float(got.norm), int(got.nonfinite_count), float(got.threshold)) == (
+        2.5,
+        3,
+        1.0,
+    )
