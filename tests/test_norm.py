@@ -367,3 +367,17 @@ def test_a_frozen_leaf_before_clip_by_norm_stays_zero_under_jit() -> None:
     np.testing.assert_array_equal(out["frozen"], np.zeros((2, 2)))
     np.testing.assert_allclose(out["train"], np.full(3, 3**-0.5), rtol=1e-6)
     assert float(optax.tree.get(state, "norms")["frozen"]) == 0.0
+
+
+@pytest.mark.parametrize("stacked", [None, {"blocks": 1, "b": 0}])
+def test_the_state_before_any_step_logs_zero_norms(stacked: Any) -> None:
+    # No step has been taken: every leaf's (every layer's) logged norm is 0.
+    params = {"blocks": jnp.ones((3, 2, 4)), "b": jnp.ones(5)}
+    state = clipax.clip_by_norm(1.0, stacked=stacked).init(params)
+    norms = jax.tree.leaves(state.norms)
+    assert [n.shape for n in norms] == [(), (3,) if stacked else ()]
+    for n in norms:
+        np.testing.assert_array_equal(n, 0.0)
+    assert all(v == 0.0 for v in clipax.metrics(state).values())
+    _, state = clipax.clip_by_norm(1.0, stacked=stacked).update(params, state)
+    assert all(float(n.max()) > 1.0 for n in jax.tree.leaves(state.norms))
