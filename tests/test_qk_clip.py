@@ -405,6 +405,27 @@ def test_sharded_heads_and_batch_equal_one_device() -> None:
     chex.assert_trees_all_close(sm_state, want_state)
 
 
+@pytest.mark.devices(2)
+def test_logits_split_inside_shard_map_without_logit_specs_are_refused() -> None:
+    """Inside `shard_map`, logits whose batch varies over a mesh axis, with no
+    `logit_specs`: which of their dims is split is unknown, and a max over
+    this device's share of the batch is not the step's, so it is refused."""
+    rng = np.random.default_rng(5)
+    params = {"attn": jax.tree.map(jnp.asarray, attention_params(rng, 4, 2))}
+    logits = jnp.full((4, 4), 2 * TAU)  # (batch, heads): every head clips
+    mesh = jax.make_mesh((2,), ("data",))
+    tx = clipax.qk_clip(TAU, specs=P())
+    state_specs = jax.tree.map(lambda _: P(), tx.init(params))
+    update = jax.shard_map(
+        lambda p, s: tx.update(p, tx.init(p), p, max_logits={"attn": s}),
+        mesh=mesh,
+        in_specs=(P(), P("data")),
+        out_specs=(P(), state_specs),
+    )
+    with pytest.raises(ValueError, match=r"\['attn'\].*pass `logit_specs=`"):
+        jax.jit(update)(params, jax.device_put(logits, NamedSharding(mesh, P("data"))))
+
+
 @pytest.mark.parametrize(
     ("make", "call", "error", "match"),
     [
