@@ -42,6 +42,23 @@ def test_integer_leaves_keep_their_dtype(dtype: jnp.dtype) -> None:
     np.testing.assert_array_equal(out, np.clip(np.arange(10), 2, 9))
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_float_bounds_at_the_edge_of_a_64_bit_leaf_s_range_saturate(dtype) -> None:
+    # float(2**63 - 1) rounds up to 2.0**63, one past int64's largest value
+    # (uint64's: 2.0**64); cast back, it would overflow.
+    info = np.iinfo(dtype)
+    edge = float(info.max)
+    with jax.enable_x64(True):
+        x = jnp.array([info.min, 7, info.max], dtype)
+        out = clipax.tree.clip_by_value(x, float(info.min), edge)
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out, x)
+        out = clipax.tree.clip_by_value(x, edge, edge)
+        np.testing.assert_array_equal(out, np.full(3, info.max, dtype))
+        out = clipax.tree.clip_by_value(x, float(info.min), float(info.min))
+        np.testing.assert_array_equal(out, np.full(3, info.min, dtype))
+
+
 @pytest.mark.parametrize("bound", [2**40, np.int64(2**40), np.uint64(2**40), 2**31])
 def test_integer_bounds_past_int32_clamp_float_leaves(bound: object) -> None:
     # With x64 off, `jnp.asarray` wraps np.int64(2**40) to 0 and refuses 2**40.
