@@ -297,12 +297,17 @@ def bare_clip(g: jax.Array, norm: jax.Array, max_norm: float) -> jax.Array:
     return g * (max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
 
 
+def bare_norm_over(g: jax.Array, axes: Any) -> jax.Array:
+    """The float32 norm over `axes` (the whole leaf for None), the reduced dims
+    kept where some are left."""
+    squares = jnp.square(g.astype(jnp.float32))
+    return jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=axes is not None))
+
+
 def bare_clip_over(g: jax.Array, axes: Any, max_norm: float) -> jax.Array:
     """`bare_clip` with the norm in float32 over `axes` (the whole leaf for None),
     as a user writes the per-tensor rule."""
-    squares = jnp.square(g.astype(jnp.float32))
-    norm = jnp.sqrt(jnp.sum(squares, axis=axes, keepdims=axes is not None))
-    return bare_clip(g, norm, max_norm)
+    return bare_clip(g, bare_norm_over(g, axes), max_norm)
 
 
 def optax_clip_by_norm(max_norm: float) -> optax.GradientTransformation:

@@ -81,6 +81,26 @@ def bare_clip_by_norm(axes: Any = None) -> optax.GradientTransformation:
     )
 
 
+def bare_clip_by_norm_keeping_peaks(axes: Any) -> optax.GradientTransformation:
+    """`bare_clip_by_norm(axes)` that also keeps each leaf's largest norm over
+    its slices in its state, as `clipax.clip_by_norm` does: the same outputs."""
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> Any:
+        del state, params
+        norms = jax.tree.map(lambda g: bench.bare_norm_over(g, axes), updates)
+        clipped = jax.tree.map(
+            lambda g, n: bench.bare_clip(g, n, MAX_NORM), updates, norms
+        )
+        return clipped, bench.NormsState(jax.tree.map(jnp.max, norms))
+
+    def init_fn(params: Any) -> bench.NormsState:
+        return bench.NormsState(
+            jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def stacked(updates: Any) -> Any:
     """The `stacked=` prefix of the stacked trees: their `blocks` stack layers
     (none of the other trees has a `blocks` subtree)."""
@@ -121,6 +141,13 @@ RULES: dict[str, tuple[Callable[[], Any], Callable[[], Any], str]] = {
         lambda: clipax.clip_by_norm(MAX_NORM, axes=-1),
         lambda: bare_clip_by_norm(axes=-1),
         "the bare formula per row (axes=-1)",
+    ),
+    # The same, against the bare formula that also keeps each leaf's largest
+    # row norm in its state, as clipax does.
+    "clip_by_norm_axes_peaks": (
+        lambda: clipax.clip_by_norm(MAX_NORM, axes=-1),
+        lambda: bare_clip_by_norm_keeping_peaks(axes=-1),
+        "the bare formula per row, keeping each leaf's largest row norm",
     ),
     "agc": (
         lambda: clipax.adaptive_grad_clip(0.01),

@@ -131,7 +131,9 @@ def test_step_placer_splits_dimension_zero_only_where_it_divides() -> None:
     chex.assert_trees_all_equal(placed, tree)
 
 
-@pytest.mark.parametrize("rule", ["clip_by_norm", "clip_by_norm_axes", "agc"])
+@pytest.mark.parametrize(
+    "rule", ["clip_by_norm", "clip_by_norm_axes", "clip_by_norm_axes_peaks", "agc"]
+)
 def test_each_per_tensor_reference_computes_what_clipax_does(rule) -> None:
     """The per-tensor rules' references give clipax's outputs, so that the
     step benchmark compares only how they are computed."""
@@ -144,6 +146,14 @@ def test_each_per_tensor_reference_computes_what_clipax_does(rule) -> None:
         bool(jnp.allclose(a, b))
         for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(grads), strict=True)
     ), "nothing was clipped: the comparison would prove nothing"
+
+
+def test_the_reference_keeping_peaks_keeps_clipax_s_norms() -> None:
+    params = {"w": jnp.arange(1.0, 13.0).reshape(3, 4), "b": jnp.full((4,), 0.1)}
+    ours, theirs = (make() for make in bench_step.RULES["clip_by_norm_axes_peaks"][:2])
+    got = [tx.update(params, tx.init(params))[1].norms for tx in (ours, theirs)]
+    chex.assert_trees_all_close(got[0], got[1], rtol=1e-6)
+    assert float(got[0]["w"]) == pytest.approx(float(jnp.linalg.norm(params["w"][2])))
 
 
 def test_the_stacked_reference_computes_what_clipax_does_per_layer() -> None:
