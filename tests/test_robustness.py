@@ -352,7 +352,10 @@ def test_nonfinite_error_in_the_transformation_under_jit() -> None:
 
 @pytest.mark.parametrize("nonfinite", ["skip", None, "NaN"])
 def test_bad_nonfinite(nonfinite: Any) -> None:
-    match = r"`nonfinite` must be one of \('nan', 'zero', 'error'\)"
+    match = (
+        r"`nonfinite` must be one of \('nan', 'zero', 'error'\), or a bool as "
+        r"PyTorch's `error_if_nonfinite` \(True is 'error', False 'nan'\)"
+    )
     with pytest.raises(ValueError, match=match):
         clipax.clip_by_global_norm(1.0, nonfinite=nonfinite)
     with pytest.raises(ValueError, match=match):
