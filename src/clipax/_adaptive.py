@@ -262,8 +262,7 @@ def zclip_rule(
         limit = mean
     else:
         limit = mean + jnp.square(zt) / jnp.where(over, z, 1) * std
-        if _checks.is_data(clip_factor) or clip_factor != 1:
-            limit = limit * jnp.asarray(clip_factor, dtype)
+        limit = limit * jnp.asarray(clip_factor, dtype)  # x * 1.0 is x, bit for bit
     seen = norm if raw else jnp.where(over, limit, norm)
     if warmup is not None:
         buffer = _statistics.pushed(buffer, state.count, seen, True)

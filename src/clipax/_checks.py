@@ -380,9 +380,7 @@ def bounds(min_value: Any, max_value: Any) -> None:
 
 def is_transformation(value: Any) -> bool:
     """Whether `value` has an `init` and an `update` to call, as a transformation."""
-    return callable(getattr(value, "init", None)) and callable(
-        getattr(value, "update", None)
-    )
+    return all(callable(getattr(value, f, None)) for f in ("init", "update"))
 
 
 def transformation(name: str, value: Any) -> None:

@@ -12,10 +12,11 @@ None and `optax.MaskedNode` are no leaves: `Leaves.rebuild` puts them back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -257,7 +258,7 @@ class Leaf:
                 whole = jax.lax.dynamic_slice_in_dim(whole, start, size, i)
         return whole
 
-    def split(self, axes: Sequence[int] | None = None) -> MeshAxes:
+    def split(self, axes: Sequence[int] | None = None, fsdp: bool = True) -> MeshAxes:
         """The mesh axes that split any of `axes` (all of its axes for None).
 
         Raises:
@@ -277,16 +278,13 @@ class Leaf:
             )
         chosen = range(self.x.ndim) if axes is None else axes
         dims = self.dims or ((),) * self.x.ndim
-        return tuple(sorted({n for d in chosen for n in dims[d]} | {*self.fsdp_axes}))
+        named = {n for d in chosen for n in dims[d]}
+        return tuple(sorted(named | set(self.fsdp_axes if fsdp else ())))
 
     def size(self, axes: Sequence[int]) -> int:
         """How many elements `axes` span in the whole tensor, not the block
         (`axis_name`'s axes count where `axes` are all of the leaf's)."""
-        self.split(axes)  # refused where the layout is unknown
-        dims = self.dims or ((),) * self.x.ndim
-        split = {n for d in axes for n in dims[d]}
-        if len(set(axes)) == self.x.ndim:
-            split |= set(self.fsdp_axes)
+        split = self.split(axes, fsdp=len(set(axes)) == self.x.ndim)
         mesh = jax.sharding.get_abstract_mesh()
         return math.prod(self.x.shape[d] for d in axes) * math.prod(
             mesh.shape[n] for n in split
@@ -331,11 +329,6 @@ class Leaves(list[Leaf]):
         """These records in the tree's containers (a wrapper's place holding
         its leaf's): what `jax.tree.map` reads beside per-tensor statistics."""
         return jax.tree.unflatten(self.treedef, list(self))
-
-    def read(self, fn_name: str, tree: Any, stacks: Stacks | None = None) -> Any:
-        """A per-tensor field of a state, checked to be these leaves'
-        (`check_state`), as `stats` builds one."""
-        return self.stats(check_state(fn_name, self, tree, stacks))
 
     def stats(self, values: Iterable[Any]) -> Any:
         """A per-tensor statistic: the tree with `values` (one per leaf, shaped
@@ -489,34 +482,19 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec()))
 
 
-@dataclasses.dataclass(frozen=True)
-class Reader:
-    """`leaves` with one rule's layout arguments, checked once where the rule
-    is made (`reader`): the one way a rule reads a tree."""
-
-    fn_name: str
-    stacked: Any = None
-    specs: Any = None
-    axis_name: MeshAxes = ()
-
-    def __call__(self, tree: Any, **kwargs: Any) -> Leaves:
-        return leaves(
-            tree,
-            self.fn_name,
-            stacked=self.stacked,
-            specs=self.specs,
-            axis_name=self.axis_name,
-            **kwargs,
-        )
+Reader = Callable[..., Leaves]  # `leaves` with one rule's layout arguments
 
 
 def reader(
     fn_name: str, *, stacked: Any = None, specs: Any = None, axis_name: Any = None
 ) -> Reader:
-    """A rule's `Reader`, `axis_name` normalised (and checked against
-    `stacked`) here."""
+    """`leaves` with one rule's layout arguments, checked once where the rule
+    is made: the one way a rule reads a tree (`axis_name` normalised, and
+    checked against `stacked`, here)."""
     _, names = _checks.axes_and_axis_name(None, axis_name, stacked)
-    return Reader(fn_name, stacked, specs, names)
+    return functools.partial(
+        leaves, fn_name=fn_name, stacked=stacked, specs=specs, axis_name=names
+    )
 
 
 def entries(

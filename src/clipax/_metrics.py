@@ -10,20 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from clipax import _engine, _states
+from clipax import _engine, _leaves, _states
 from clipax._checks import is_traced, is_transformation, short_repr
-from clipax._leaves import (
-    Stacks,
-    flat_keys,
-    imported,
-    is_wrapper,
-    manual_axes,
-    path_str,
-    replicated,
-    types_checked,
-    unwrap,
-    varying,
-)
+from clipax._leaves import is_wrapper, path_str, unwrap, varying
 
 SEPARATOR = "/"
 # Optax's wrapper states: the name of their factory, and their documented
@@ -152,9 +141,9 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
     arrays = list(scalars.values())
     where = {k: (j, None) for j, k in enumerate(scalars)}
     tensors: dict[str, tuple[Any, list[tuple[str, int]]]] = {}
-    depths = getattr(state, "stacks", Stacks()).depths
-    manual = manual_axes()
-    known = bool(manual) and types_checked(manual)
+    depths = getattr(state, "stacks", _leaves.Stacks()).depths
+    manual = _leaves.manual_axes()
+    known = bool(manual) and _leaves.types_checked(manual)
     for field, stat in declared.per_tensor.items():
         heads = int(field in declared.per_head)  # after the layers, unsplit
         flat = jax.tree_util.tree_flatten_with_path(fields[field], is_leaf=is_wrapper)
@@ -171,14 +160,13 @@ def _statistics(state: Any, declared: _states.Declared) -> tuple[list[Any], dict
                 )
         shapes = [np.shape(v) for v in values]
         vector = jnp.concatenate(
-            [replicated(jnp.asarray(v)).reshape(-1) for v in values] or [jnp.zeros(0)]
+            [_leaves.replicated(jnp.asarray(v)).reshape(-1) for v in values]
+            or [jnp.zeros(0)]
         )
         tensors[stat] = (vector, _keyed(paths, shapes, depths, heads))
     if norm in declared.per_tensor:
-        n, t = (
-            tensors[declared.per_tensor[norm]],
-            tensors[declared.per_tensor[threshold]],
-        )
+        n = tensors[declared.per_tensor[norm]]
+        t = tensors[declared.per_tensor[threshold]]
         tensors |= {k: (v, n[1]) for k, v in _clip_facts(n[0], t[0]).items()}
     for stat, (vector, entries) in tensors.items():
         arrays.append(vector)
@@ -197,7 +185,7 @@ def _keyed(
     """
     entries: list[tuple[str, int]] = []
     seen: dict[str, Any] = {}
-    for i, keys, flat_index in flat_keys(paths, shapes, depths, heads):
+    for i, keys, flat_index in _leaves.flat_keys(paths, shapes, depths, heads):
         joined = SEPARATOR.join(keys if paths[i] else ["root", *keys])
         if seen.setdefault(joined, paths[i]) != paths[i]:
             raise ValueError(
@@ -302,7 +290,7 @@ def metrics(opt_state: Any) -> Metrics:
       >>> float(logs["zclip/norm"]), float(logs["clip_by_global_norm/clip_factor"])
       (5.0, 0.2)
     """
-    nnx = imported("flax.nnx")
+    nnx = _leaves.imported("flax.nnx")
     if nnx is not None and isinstance(opt_state, nnx.Optimizer):
         opt_state = opt_state.opt_state
     _check_state(opt_state)

@@ -352,7 +352,7 @@ def qk_clip(
         None if key_dim is None else _checks.integer("key_dim", key_dim),
         _checks.choice("gqa", gqa, ("head", "group")),
         logit_specs,
-        checked.axis_name,
+        _checks.axis_name(axis_name),
     )
 
     def init_fn(params: optax.Params) -> QKClipState:
@@ -378,9 +378,8 @@ def qk_clip(
         for m in found:
             s = module_logits(m, records, config)
             peaks[m.path], counts[m.path] = clip_module(m, s, out, weights, config)
-        return leaves.rebuild(list(out.values())), state_of(
-            params, found, config, peaks, counts
-        )
+        new_state = state_of(params, found, config, peaks, counts)
+        return leaves.rebuild(list(out.values())), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

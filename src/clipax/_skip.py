@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -92,9 +93,10 @@ def step(
     config: Config,
     updates: optax.Updates,
     state: SkipSpikesState,
-    params: Any,
-    loss: Any,
-    extra_args: dict,
+    params: optax.Params | None = None,
+    *,
+    loss: ArrayLike | None = None,
+    **extra_args: Any,
 ) -> tuple[optax.Updates, SkipSpikesState]:
     """One step: `inner`'s, kept where neither the global norm nor the loss
     (where given) is NaN or inf, above `max_norm`, or a spike; else zero
@@ -115,9 +117,8 @@ def step(
     if config.max_norm is not None:  # a NaN `max_norm` skips every step
         broken |= ~(values["norm"] <= jnp.asarray(config.max_norm).astype(dtype))
     spiked = jnp.stack([config.spike(x, stats[k]) for k, x in values.items()])
-    limit = config.limit
     forced = jnp.any(spiked) & ~broken
-    forced &= False if limit is None else state.consecutive_skips >= limit
+    forced &= False if config.limit is None else state.consecutive_skips >= config.limit
     skip = broken | (jnp.any(spiked) & ~forced)
     new_updates, new_inner = config.inner.update(
         updates, state.inner_state, params, **extra_args
@@ -232,17 +233,6 @@ def skip_spikes(
         *_statistics.statistics(z_threshold, alpha, size, ddof, warmup),
     )
 
-    def init_fn(params: optax.Params) -> SkipSpikesState:
-        return initial(config, params)
-
-    def update_fn(
-        updates: optax.Updates,
-        state: SkipSpikesState,
-        params: optax.Params | None = None,
-        *,
-        loss: ArrayLike | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, SkipSpikesState]:
-        return step(config, updates, state, params, loss, extra_args)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(initial, config), functools.partial(step, config)
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -81,16 +82,13 @@ def step(
     restarts before every `reset_every`-th step."""
     leaves = config.checked(updates)
     m_max, m_norm, v_norm = (
-        leaves.read("stable_spam", tree, state.stacks)
+        leaves.stats(_leaves.check_state("stable_spam", leaves, tree, state.stacks))
         for tree in (state.m_max, state.m_norm, state.v_norm)
     )
     dtype = _engine.tree_accum_dtype(leaves.arrays)
     t = optax.safe_int32_increment(state.count)
-    steps, theta, (g1, g2) = (
-        t.astype(dtype),
-        config.theta,
-        (config.gamma1, config.gamma2),
-    )
+    steps = t.astype(dtype)
+    theta, g1, g2 = config.theta, config.gamma1, config.gamma2
     peaks = leaves.stats(_engine.layer_norms(leaves, math.inf))
     m_max = jax.tree.map(lambda m, p: lerp(m, p, theta, jnp.isfinite(p)), m_max, peaks)
     clipped = jax.tree.map(
@@ -105,12 +103,7 @@ def step(
     v_norm = jax.tree.map(lambda v, n, u: lerp(v, n**2, g2, u), v_norm, norms, usable)
     at = (g1, g2, steps, config.eps)
     out = jax.tree.map(
-        lambda leaf, g, n, m, v: ada_gn(leaf, g, n, m, v, at),
-        leaves.records,
-        clipped,
-        norms,
-        m_norm,
-        v_norm,
+        functools.partial(ada_gn, at=at), leaves.records, clipped, norms, m_norm, v_norm
     )
     inner_state = state.inner_state
     if config.reset_every is not None:  # Stable-SPAM's momentum reset, only then

@@ -9,18 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from clipax import _checks, _states
-from clipax._leaves import (
-    LayerAxes,
-    imported,
-    is_box,
-    is_named,
-    is_variable,
-    is_wrapper,
-    path_keys,
-    prefixes,
-    unwrap,
-)
+from clipax import _checks, _leaves, _states
 
 Entry = Any  # an int (leading layer axes) or a LayerAxes
 
@@ -30,11 +19,11 @@ def _names(node: Any) -> tuple[Any, ...] | None:
     `nn.Partitioned`), an NNX variable's (`out_sharding` metadata;
     `sharding_names` in Flax 0.12.0, `sharding` before) or a haliax
     `NamedArray`'s; None where it has none."""
-    if is_box(node):
+    if _leaves.is_box(node):
         return tuple(node.names)
-    if is_named(node):
+    if _leaves.is_named(node):
         return tuple(node.axis_names)
-    meta = node.get_metadata() if is_variable(node) else {}
+    meta = node.get_metadata() if _leaves.is_variable(node) else {}
     key = next((k for k in ("out_sharding", "sharding_names") if k in meta), "sharding")
     names = meta.get(key)
     return tuple(names) if isinstance(names, (tuple, list)) else None
@@ -44,7 +33,7 @@ def _entry(positions: tuple[int, ...]) -> Entry:
     """Leading axes as their count, others as `LayerAxes`."""
     if positions == tuple(range(len(positions))):
         return len(positions)
-    return LayerAxes(*positions)
+    return _leaves.LayerAxes(*positions)
 
 
 def _fold(node: Any, leaves: list[tuple[Entry, int | None]], depth: int = 0) -> Any:
@@ -72,7 +61,7 @@ def _stack_roots(
     (axes, layers)."""
     members: dict[tuple[str, ...], list[int]] = {}
     for i, k in enumerate(keys):
-        for node in prefixes(k):
+        for node in _leaves.prefixes(k):
             members.setdefault(node, []).append(i)
 
     @functools.cache
@@ -92,7 +81,7 @@ def _stack_roots(
     roots: dict[tuple[str, ...], Any] = {}
     for i, (k, sig) in enumerate(zip(keys, sigs, strict=True)):
         if sig is not None and sig[0]:
-            nodes = prefixes(k)[::-1][min(1, len(k)) :]  # below the top first
+            nodes = _leaves.prefixes(k)[::-1][min(1, len(k)) :]  # below the top first
             root = next(node for node in nodes if holds(node, sig))
             roots[root], out[i] = sig, (_entry(sig[0]), len(root))
     return out, roots
@@ -121,16 +110,16 @@ def _from_names(
             f"No leaf of the tree has the logical axis name {axis_name!r}; the "
             f"names found are {found or none + 'give `path`)'}."
         )
-    shapes = [np.shape(unwrap(x)) for _, x in flat]
+    shapes = [np.shape(_leaves.unwrap(x)) for _, x in flat]
     # Per leaf with names, the positions of its layer axes and the layers there.
     sigs: list[tuple[tuple[int, ...], tuple[int, ...]] | None] = []
     for n, s in zip(names, shapes, strict=True):
         at = tuple(i for i, a in enumerate(n or ()) if a == axis_name)
         sigs.append(None if n is None else (at, tuple(s[a] for a in at)))
-    hnn = imported("haliax.nn")
+    hnn = _leaves.imported("haliax.nn")
     scan = lambda x: hnn is not None and isinstance(x, hnn.Stacked)  # noqa: E731
     flat_scans = jax.tree_util.tree_flatten_with_path(tree, is_leaf=scan)[0]
-    scans = [tuple(path_keys(p)) for p, x in flat_scans if scan(x)]
+    scans = [tuple(_leaves.path_keys(p)) for p, x in flat_scans if scan(x)]
     out, roots = _stack_roots(keys, sigs, shapes, scans)
     unproven = []
     for i, k in enumerate(keys):
@@ -176,7 +165,7 @@ def _from_path(
             f"`path` must be a regular expression; got {path!r}."
         ) from error
     if isinstance(axes, tuple) and axes:
-        entry: Entry = LayerAxes(*(_checks.axes(axes) or ()))
+        entry: Entry = _leaves.LayerAxes(*(_checks.axes(axes) or ()))
     else:  # () too: an int is what it takes
         entry = _checks.integer("axes", axes, minimum=0)
     out: list[tuple[Entry, int | None]] = [(0, None)] * len(keys)
@@ -247,9 +236,9 @@ def stacked_prefix(
     """
     if (axis_name is None) == (path is None):
         raise ValueError("Give `axis_name` or `path` to `stacked_prefix`, one of them.")
-    named = lambda x: is_box(x) or is_wrapper(x)  # noqa: E731
+    named = lambda x: _leaves.is_box(x) or _leaves.is_wrapper(x)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=named)
-    keys = [tuple(path_keys(p)) for p, _ in flat]
+    keys = [tuple(_leaves.path_keys(p)) for p, _ in flat]
     if path is not None:
         leaves = _from_path(keys, path, axes)
     elif isinstance(axis_name, str) and axis_name:
