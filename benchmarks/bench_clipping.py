@@ -326,18 +326,26 @@ class NormsState(NamedTuple):
     norms: Any  # the updates' tree with a float32 scalar per leaf
 
 
-def optax_clip_by_norm_keeping_norms(max_norm: float) -> optax.GradientTransformation:
+def optax_clip_by_norm_keeping_norms(
+    max_norm: float,
+    norm_of: Callable[[jax.Array], jax.Array] = bare_norm,
+    peak: Callable[[jax.Array], jax.Array] | None = None,
+) -> optax.GradientTransformation:
     """The bare formula that, as `clipax.clip_by_norm` does, returns each leaf's
-    pre-clip norm in its state: the same outputs as clipax's transformation."""
+    pre-clip norm in its state: the same outputs as clipax's transformation.
+    `norm_of` gives a leaf's norm (or its slices' norms, with `peak`, e.g.
+    `jnp.max`, reducing them to the one number the state keeps)."""
+    keep = (lambda n: n) if peak is None else peak
 
     def init_fn(params: Tree) -> NormsState:
         return NormsState(jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params))
 
     def update_fn(updates: Tree, state: Any, params: Any = None) -> Any:
         del state, params
-        norms = jax.tree.map(bare_norm, updates)
+        norms = jax.tree.map(norm_of, updates)
         clipped = jax.tree.map(lambda g, n: bare_clip(g, n, max_norm), updates, norms)
-        return clipped, NormsState(jax.tree.map(lambda n: n.astype(jnp.float32), norms))
+        peaks = jax.tree.map(lambda n: keep(n).astype(jnp.float32), norms)
+        return clipped, NormsState(peaks)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -84,21 +84,9 @@ def bare_clip_by_norm(axes: Any = None) -> optax.GradientTransformation:
 def bare_clip_by_norm_keeping_peaks(axes: Any) -> optax.GradientTransformation:
     """`bare_clip_by_norm(axes)` that also keeps each leaf's largest norm over
     its slices in its state, as `clipax.clip_by_norm` does: the same outputs."""
-
-    def update_fn(updates: Any, state: Any, params: Any = None) -> Any:
-        del state, params
-        norms = jax.tree.map(lambda g: bench.bare_norm_over(g, axes), updates)
-        clipped = jax.tree.map(
-            lambda g, n: bench.bare_clip(g, n, MAX_NORM), updates, norms
-        )
-        return clipped, bench.NormsState(jax.tree.map(jnp.max, norms))
-
-    def init_fn(params: Any) -> bench.NormsState:
-        return bench.NormsState(
-            jax.tree.map(lambda _: jnp.zeros((), jnp.float32), params)
-        )
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return bench.optax_clip_by_norm_keeping_norms(
+        MAX_NORM, lambda g: bench.bare_norm_over(g, axes), peak=jnp.max
+    )
 
 
 def stacked(updates: Any) -> Any:
