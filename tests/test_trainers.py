@@ -183,6 +183,26 @@ def test_stable_spam_rules_per_tensor() -> None:
     chex.assert_trees_all_equal(kept.m_max["a"], state.m_max["a"])
 
 
+def test_stable_spam_clips_an_entry_to_its_threshold_below_one() -> None:
+    """AdaClip scales the entries above the bias-corrected EMA of the largest
+    |g| by threshold / peak, also where the peak is below 1: the spiked entry
+    comes out at the threshold, the others as they are, before AdaGN rescales
+    the whole tensor (which keeps their ratio)."""
+    theta = 0.999
+    tx = clipax.stable_spam(optax.sgd(1.0), theta=theta, reset_every=None)
+    grads = {"a": jnp.array([0.1, -0.2])}
+    state = tx.init(grads)
+    update = jax.jit(tx.update)
+    for _ in range(3):
+        _, state = update(grads, state)
+    spiked, after = update({"a": jnp.array([0.1, -0.9])}, state)  # peak 0.9
+    top = float(after.m_max["a"]) / (1 - theta ** int(after.count))
+    assert 0.2 < top < 0.9, "the spike must pass the threshold: nothing clipped"
+    out = np.asarray(spiked["a"], np.float64)
+    # float32's bias correction (1 - theta**4) against float64's: 2e-5 apart
+    np.testing.assert_allclose(out[1] / out[0], -top / 0.1, rtol=1e-4)
+
+
 def test_stable_spam_resets_the_inner_state() -> None:
     tx = clipax.stable_spam(optax.adam(1e-2), reset_every=3)
     params = {"w": jnp.ones(2)}
